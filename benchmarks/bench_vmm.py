@@ -1,0 +1,120 @@
+"""Commit throughput of ExtensibleTensor vs torch.empty + zero_(), and kernel bandwidth
+over VMM memory vs a plain allocation, side by side in one run (CUDA only).
+
+    python benchmarks/bench_vmm.py [--sizes-gib 1 16 100] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from extkv import ExtensibleTensor
+
+GiB = 1 << 30
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def commit_seconds(size: int, num_segments: int, zero_new: bool) -> float:
+    buf = ExtensibleTensor(size, "cuda", num_segments=num_segments)
+    try:
+        return _timed(lambda: buf.resize_per_segment_(size // num_segments, zero_new=zero_new))
+    finally:
+        buf.free()
+
+
+def torch_alloc_zero_seconds(size: int) -> float:
+    holder: list[torch.Tensor] = []
+    try:
+        return _timed(
+            lambda: holder.append(torch.empty(size, dtype=torch.uint8, device="cuda").zero_())
+        )
+    finally:
+        holder.clear()
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy (median of events)."""
+    times = []
+    for _ in range(3):
+        dst.copy_(src)
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * src.numel() * src.element_size() / times[len(times) // 2]
+
+
+def bandwidth_ratio(size: int) -> dict[str, float]:
+    buf = ExtensibleTensor(2 * size, "cuda")
+    try:
+        view = buf.resize_(2 * size).view(torch.bfloat16)
+        view.normal_()
+        vmm = copy_bandwidth(view[: view.numel() // 2], view[view.numel() // 2 :])
+    finally:
+        buf.free()
+    plain_src = torch.randn(size // 2, dtype=torch.bfloat16, device="cuda")
+    plain_dst = torch.empty_like(plain_src)
+    plain = copy_bandwidth(plain_src, plain_dst)
+    del plain_src, plain_dst
+    torch.cuda.empty_cache()
+    return {"vmm_gbps": vmm / 1e9, "plain_gbps": plain / 1e9, "ratio": vmm / plain}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-gib", type=int, nargs="+", default=[1, 16, 100])
+    parser.add_argument("--json", help="write the rows here too")
+    args = parser.parse_args()
+    ExtensibleTensor(0, "cuda").free()  # driver and context warm-up
+    torch.empty(1, device="cuda").zero_()
+    rows = []
+    for gib in args.sizes_gib:
+        size = gib * GiB
+        baseline = torch_alloc_zero_seconds(size)
+        for segments in (1, 2):
+            for zero_new in (False, True):
+                seconds = commit_seconds(size, segments, zero_new)
+                rows.append(
+                    {
+                        "gib": gib,
+                        "segments": segments,
+                        "zero_new": zero_new,
+                        "commit_s": round(seconds, 4),
+                        "torch_empty_zero_s": round(baseline, 4),
+                        "ratio_vs_torch": round(seconds / baseline, 3),
+                    }
+                )
+    bandwidth = bandwidth_ratio(8 * GiB)
+    print(f"{'GiB':>5} {'seg':>3} {'zero':>5} {'commit s':>9} {'torch s':>8} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['gib']:>5} {r['segments']:>3} {r['zero_new']!s:>5} {r['commit_s']:>9.4f} "
+            f"{r['torch_empty_zero_s']:>8.4f} {r['ratio_vs_torch']:>6.3f}"
+        )
+    print(
+        f"copy bandwidth 8 GiB: VMM {bandwidth['vmm_gbps']:.0f} GB/s, plain "
+        f"{bandwidth['plain_gbps']:.0f} GB/s, ratio {bandwidth['ratio']:.3f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": rows, "bandwidth": bandwidth}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""Attention: the layer models use, the per-step metadata, and the ops behind it."""
+
+from extkv.attention.layer import Attention
+from extkv.attention.metadata import AttentionMetadata, get_forward_context, set_forward_context
+
+__all__ = ["Attention", "AttentionMetadata", "get_forward_context", "set_forward_context"]

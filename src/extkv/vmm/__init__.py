@@ -1,0 +1,13 @@
+"""Virtual memory: reserve address space once, commit physical memory as needed."""
+
+from extkv.vmm.backend import VirtualMemoryError, VirtualMemoryOutOfMemory
+from extkv.vmm.host import HostBackend
+from extkv.vmm.tensor import ExtensibleTensor, resolve_device
+
+__all__ = [
+    "ExtensibleTensor",
+    "HostBackend",
+    "VirtualMemoryError",
+    "VirtualMemoryOutOfMemory",
+    "resolve_device",
+]

@@ -1,0 +1,45 @@
+"""The interface both virtual-memory backends (CUDA driver, host mmap) implement.
+
+A backend knows four things: reserve address space, map physical memory onto a
+piece of it, unmap that again, and wrap an address range as a torch tensor.
+Everything above (granules, segments, growth) is backend-independent and so is
+exercised in CI on the host backend.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class VirtualMemoryError(RuntimeError):
+    """A virtual-memory call failed; the message names the call."""
+
+
+class VirtualMemoryOutOfMemory(VirtualMemoryError, MemoryError):
+    """Physical memory ran out while committing; nothing of the failed call stays mapped."""
+
+
+class Backend(Protocol):
+    device: torch.device
+    granularity: int  # bytes; reservations and mappings are multiples of it
+
+    def reserve(self, size: int) -> int:
+        """Reserve `size` bytes of address space; return the base address."""
+        ...
+
+    def free_reservation(self, address: int, size: int) -> None: ...
+
+    def map(self, address: int, size: int) -> object:
+        """Back [address, address + size) with one physical allocation, readable and
+        writable; return a handle for `unmap`. Raises VirtualMemoryOutOfMemory."""
+        ...
+
+    def unmap(self, address: int, size: int, handle: object) -> None:
+        """Undo one `map` and give its physical memory back."""
+        ...
+
+    def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
+        """A uint8 tensor over [address, address + size) that keeps `owner` alive."""
+        ...

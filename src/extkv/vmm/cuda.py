@@ -1,0 +1,128 @@
+"""CUDA backend: the driver's virtual memory management API via `cuda-bindings`.
+
+Every driver result is checked; a failure raises an error naming the call and
+the driver's own message. Calls run inside the device's primary context (the
+one torch uses too), pushed for the call and popped after, so this works
+whether or not torch has touched CUDA yet and never disturbs the caller's
+current context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from cuda.bindings import driver as cu
+
+from extkv.vmm.backend import VirtualMemoryError, VirtualMemoryOutOfMemory
+
+
+def _error_text(err: cu.CUresult) -> str:
+    _, name = cu.cuGetErrorName(err)
+    _, text = cu.cuGetErrorString(err)
+    decode = lambda b: b.decode() if isinstance(b, bytes) else str(b)  # noqa: E731
+    return f"{decode(name)}: {decode(text)}"
+
+
+def _check(result: tuple[Any, ...], call: str) -> Any:
+    """Unpack a driver result `(err, *values)`, raising on any error."""
+    err, *values = result
+    if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+        raise VirtualMemoryOutOfMemory(f"{call} failed: {_error_text(err)}")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise VirtualMemoryError(f"{call} failed: {_error_text(err)}")
+    return values[0] if len(values) == 1 else tuple(values) or None
+
+
+class _DeviceArray:
+    """The smallest object torch can wrap zero-copy: a CUDA array interface."""
+
+    def __init__(self, address: int, size: int, owner: object) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class CudaBackend:
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+        _check(cu.cuInit(0), "cuInit")
+        device = _check(cu.cuDeviceGet(index), "cuDeviceGet")
+        supported = _check(
+            cu.cuDeviceGetAttribute(
+                cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                device,
+            ),
+            "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)",
+        )
+        if not supported:
+            raise VirtualMemoryError(f"cuda:{index} does not support virtual memory management")
+        self._cu_device = device
+        self._context = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+
+        self._prop = cu.CUmemAllocationProp()
+        self._prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = index
+        self._access = cu.CUmemAccessDesc()
+        self._access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = index
+        self._access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.granularity = int(
+            _check(
+                cu.cuMemGetAllocationGranularity(
+                    self._prop,
+                    cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+
+    @contextmanager
+    def _in_context(self) -> Iterator[None]:
+        _check(cu.cuCtxPushCurrent(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def reserve(self, size: int) -> int:
+        with self._in_context():
+            pointer = _check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+        return int(pointer)
+
+    def free_reservation(self, address: int, size: int) -> None:
+        with self._in_context():
+            _check(cu.cuMemAddressFree(address, size), "cuMemAddressFree")
+
+    def map(self, address: int, size: int) -> object:
+        with self._in_context():
+            handle = _check(cu.cuMemCreate(size, self._prop, 0), "cuMemCreate")
+            try:
+                _check(cu.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
+                try:
+                    _check(cu.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
+                except BaseException:
+                    cu.cuMemUnmap(address, size)
+                    raise
+            except BaseException:
+                cu.cuMemRelease(handle)
+                raise
+        return handle
+
+    def unmap(self, address: int, size: int, handle: object) -> None:
+        with self._in_context():
+            _check(cu.cuMemUnmap(address, size), "cuMemUnmap")
+            _check(cu.cuMemRelease(handle), "cuMemRelease")
+
+    def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.as_tensor(_DeviceArray(address, size, owner), device=self.device)

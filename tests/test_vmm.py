@@ -1,0 +1,334 @@
+"""ExtensibleTensor and the granule bookkeeping beneath it, on the host backend and CUDA."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from extkv import ExtensibleTensor
+from extkv.vmm import HostBackend, VirtualMemoryOutOfMemory
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+MiB = 1 << 20
+
+
+def granule(device: str) -> int:
+    return ExtensibleTensor(0, device).capacity_bytes
+
+
+def random_bytes(n: int, device: str | torch.device) -> torch.Tensor:
+    return torch.randint(1, 256, (n,), dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grows_without_moving(device: str) -> None:
+    g = granule(device)
+    buf = ExtensibleTensor(5 * g + 123, device)
+    assert buf.full_view().numel() == 5 * g + 123
+    assert buf.capacity_bytes == 6 * g
+    assert buf.full_view().data_ptr() == buf.base_ptr
+    first = random_bytes(g // 2, device)
+    buf.resize_(g // 2).copy_(first)
+    for size in (g, 3 * g + 7, 5 * g + 123):
+        tensor = buf.resize_(size)
+        assert tensor.data_ptr() == buf.base_ptr == buf.full_view().data_ptr()
+        assert buf.tensor.numel() == size == buf.num_bytes
+        assert torch.equal(tensor[: g // 2], first)
+    buf.tensor[-1] = 7  # the last byte is committed
+    assert buf.committed_bytes == 6 * g
+    buf.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_and_rejections(device: str) -> None:
+    g = granule(device)
+    buf = ExtensibleTensor(2 * g, device)
+    buf.append(g)
+    buf.append(10)
+    assert buf.num_bytes == g + 10
+    with pytest.raises(ValueError, match="grow-only"):
+        buf.resize_(g)
+    with pytest.raises(ValueError, match="exceeds the segment capacity"):
+        buf.resize_(2 * g + 1)
+    with pytest.raises(ValueError, match="negative"):
+        buf.append(-1)
+    assert buf.num_bytes == g + 10  # failed calls changed nothing
+    buf.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_segments_grow_in_lockstep_and_zero_only_new_bytes(device: str) -> None:
+    g = granule(device)
+    buf = ExtensibleTensor(8 * g, device, num_segments=2)
+    cap = buf.segment_capacity_bytes
+    assert cap == 4 * g
+    view = buf.full_view()
+    buf.resize_per_segment_(g + 5, zero_new=True)
+    assert buf.num_bytes == 2 * (g + 5) and buf.bytes_per_segment == g + 5
+    old0, old1 = random_bytes(g + 5, device), random_bytes(g + 5, device)
+    view[: g + 5] = old0
+    view[cap : cap + g + 5] = old1
+    # Poison the tail of the committed granules: zero_new must not touch it.
+    view[g + 5 : 2 * g] = 0xAB
+    view[cap + g + 5 : cap + 2 * g] = 0xCD
+    buf.resize_per_segment_(3 * g, zero_new=True)
+    assert torch.equal(view[: g + 5], old0)
+    assert torch.equal(view[cap : cap + g + 5], old1)
+    assert torch.all(view[g + 5 : 3 * g] == 0)
+    assert torch.all(view[cap + g + 5 : cap + 3 * g] == 0)
+    # Without zero_new, only the newly committed bytes change meaning; old bytes stay.
+    view[3 * g - 1] = 9
+    buf.resize_per_segment_(4 * g)
+    view[4 * g - 1] = 1  # last byte of segment 0 writable
+    view[8 * g - 1] = 2  # last byte of segment 1 writable
+    assert view[3 * g - 1].item() == 9
+    assert torch.equal(view[:10], old0[:10])
+    buf.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_new_leaves_bytes_committed_beyond_the_prefix_alone(device: str) -> None:
+    """The boundary granule is committed with segment 0 but belongs partly to segment 1:
+    growing segment 0 with zero_new must not wipe what segment 1 holds there."""
+    g = granule(device)
+    buf = ExtensibleTensor(3 * g, device, num_segments=2)  # boundary at 1.5 granules
+    cap = buf.segment_capacity_bytes
+    view = buf.full_view()
+    buf.resize_per_segment_(g // 4, zero_new=True)
+    data = random_bytes(g // 4, device)
+    view[cap : cap + g // 4] = data
+    buf.resize_per_segment_(cap, zero_new=True)
+    assert torch.equal(view[cap : cap + g // 4], data)
+    buf.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_boundary_granule_is_mapped_once(device: str) -> None:
+    g = granule(device)
+    buf = ExtensibleTensor(3 * g, device, num_segments=2)
+    cap = buf.segment_capacity_bytes
+    assert cap == 3 * g // 2
+    view = buf.full_view()
+    # One byte in each segment touches granules 0 and 1: one run, one allocation.
+    buf.resize_per_segment_(1, zero_new=True)
+    assert (buf.num_allocations, buf.committed_bytes) == (1, 2 * g)
+    # Segment 0 grows into granule 1 (already mapped by segment 1): nothing new to map.
+    buf.resize_per_segment_(g // 2)
+    assert (buf.num_allocations, buf.committed_bytes) == (1, 2 * g)
+    head, tail = random_bytes(g // 2, device), random_bytes(g // 2, device)
+    view[: g // 2] = head
+    view[cap : cap + g // 2] = tail
+    buf.resize_per_segment_(cap, zero_new=True)
+    assert (buf.num_allocations, buf.committed_bytes) == (2, 3 * g)
+    assert torch.equal(view[: g // 2], head)
+    assert torch.equal(view[cap : cap + g // 2], tail)
+    view[-1] = 3
+    buf.free()
+    assert (buf.num_allocations, buf.committed_bytes) == (0, 0)
+
+
+def test_contiguous_unmapped_granules_are_one_allocation() -> None:
+    backend = HostBackend()
+    g = backend.granularity
+    buf = ExtensibleTensor(64 * g, "cpu", backend=backend)
+    buf.resize_(40 * g)
+    assert buf.num_allocations == 1 and backend.committed_bytes == 40 * g
+    buf.resize_(40 * g + 1)
+    assert buf.num_allocations == 2
+    buf.free()
+    assert backend.committed_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_num_bytes": 10, "num_segments": 3}, "divisible by num_segments"),
+        ({"max_num_bytes": -1}, "max_num_bytes must be >= 0"),
+        ({"max_num_bytes": 10, "num_segments": 0}, "num_segments must be an int >= 1"),
+        ({"max_num_bytes": 10, "num_segments": -2}, "num_segments must be an int >= 1"),
+        ({"max_num_bytes": 1.5}, "max_num_bytes must be an int"),
+        ({"max_num_bytes": 10, "device": "tpu"}, "device must be"),
+        ({"max_num_bytes": 10, "device": "cuda:x"}, "device must be"),
+        ({"max_num_bytes": 10, "device": -1}, "device must be"),
+        ({"max_num_bytes": 10, "device": torch.device("meta")}, "device must be"),
+    ],
+)
+def test_invalid_construction(kwargs: dict, match: str) -> None:
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(ValueError, match=match):
+        ExtensibleTensor(**kwargs)
+
+
+def test_invalid_usage_of_multi_segment_buffer() -> None:
+    buf = ExtensibleTensor(4 * MiB, "cpu", num_segments=2)
+    with pytest.raises(ValueError, match="num_segments == 1"):
+        _ = buf.tensor
+    with pytest.raises(ValueError, match="num_segments == 1"):
+        buf.resize_(10)
+    buf.resize_per_segment_(100)
+    with pytest.raises(ValueError, match="grow-only"):
+        buf.resize_per_segment_(99)
+    with pytest.raises(ValueError, match="exceeds the segment capacity"):
+        buf.resize_per_segment_(2 * MiB + 1)
+    with pytest.raises(ValueError, match="bytes_per_segment must be >= 0"):
+        buf.resize_per_segment_(-5)
+    assert buf.bytes_per_segment == 100
+    buf.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        buf.full_view()
+
+
+def test_failed_commit_maps_nothing() -> None:
+    backend = HostBackend(commit_limit_bytes=3 * (2 * MiB))
+    buf = ExtensibleTensor(8 * (2 * MiB), "cpu", num_segments=2, backend=backend)
+    buf.resize_per_segment_(2 * MiB)  # granules 0 and 4
+    with pytest.raises(VirtualMemoryOutOfMemory, match="commit limit"):
+        buf.resize_per_segment_(4 * MiB)  # would need 2 more granules, only 1 allowed
+    assert buf.bytes_per_segment == 2 * MiB
+    assert buf.committed_bytes == backend.committed_bytes == 4 * MiB
+    buf.free()
+    assert backend.committed_bytes == 0
+
+
+def test_host_commits_are_real() -> None:
+    """Writing past the committed prefix must fault, as it would on the GPU."""
+    script = textwrap.dedent(
+        """
+        from extkv import ExtensibleTensor
+        buf = ExtensibleTensor(8 << 20, "cpu")
+        buf.resize_(100)
+        view = buf.full_view()
+        view[:100] = 1          # committed: fine
+        print("committed ok", flush=True)
+        view[(4 << 20) + 1] = 1  # never committed: must fault
+        print("NOT REACHED", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert "committed ok" in proc.stdout
+    assert "NOT REACHED" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV
+
+
+def _mapping_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_leak_over_many_cycles(device: str) -> None:
+    g = granule(device)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+    maps_before = _mapping_count()
+    last = None
+    for i in range(500):
+        buf = ExtensibleTensor(4 * g, device, num_segments=2)
+        buf.resize_per_segment_(1 + i % (2 * g - 1), zero_new=i % 2 == 0)
+        buf.free()
+        buf.free()  # idempotent
+        assert buf.committed_bytes == 0
+        last = buf
+    assert last is not None and last.num_allocations == 0
+    if cuda:
+        torch.cuda.synchronize()
+        assert abs(torch.cuda.mem_get_info()[0] - free_before) <= g
+    else:
+        assert _mapping_count() <= maps_before + 2
+
+
+class GrowthMachine(RuleBasedStateMachine):
+    """Random grow sequences over 1-4 segments against a plain bytes model."""
+
+    @initialize(
+        num_segments=st.integers(1, 4),
+        granules_per_segment=st.integers(1, 3),
+        extra=st.integers(0, 4096),
+    )
+    def create(self, num_segments: int, granules_per_segment: int, extra: int) -> None:
+        g = 2 * MiB
+        self.segment = granules_per_segment * g // 2 + extra  # deliberately not granule-aligned
+        self.buf = ExtensibleTensor(self.segment * num_segments, "cpu", num_segments)
+        self.model = [bytearray() for _ in range(num_segments)]
+
+    @rule(fraction=st.floats(0, 1), zero_new=st.booleans(), seed=st.integers(0, 2**31))
+    def grow(self, fraction: float, zero_new: bool, seed: int) -> None:
+        old = self.buf.bytes_per_segment
+        new = old + int((self.segment - old) * fraction)
+        self.buf.resize_per_segment_(new, zero_new=zero_new)
+        view = self.buf.full_view()
+        gen = torch.Generator().manual_seed(seed)
+        for i, model in enumerate(self.model):
+            lo = i * self.segment
+            if zero_new:
+                model.extend(bytes(new - old))
+            else:  # fresh bytes are unspecified: give them known contents
+                fresh = torch.randint(0, 256, (new - old,), dtype=torch.uint8, generator=gen)
+                view[lo + old : lo + new] = fresh
+                model.extend(fresh.numpy().tobytes())
+
+    @rule(data=st.data())
+    def write(self, data: st.DataObject) -> None:
+        size = self.buf.bytes_per_segment
+        if size == 0:
+            return
+        i = data.draw(st.integers(0, len(self.model) - 1))
+        offset = data.draw(st.integers(0, size - 1))
+        value = data.draw(st.integers(0, 255))
+        self.buf.full_view()[i * self.segment + offset] = value
+        self.model[i][offset] = value
+
+    @invariant()
+    def contents_match(self) -> None:
+        view = self.buf.full_view()
+        for i, model in enumerate(self.model):
+            lo = i * self.segment
+            got = view[lo : lo + len(model)].numpy().tobytes()
+            assert got == bytes(model)
+
+    def teardown(self) -> None:
+        self.buf.free()
+
+
+TestGrowthMachine = GrowthMachine.TestCase
+TestGrowthMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+
+
+@pytest.mark.gpu
+def test_cuda_works_before_torch_touches_cuda() -> None:
+    """A fresh process whose first CUDA call is ours: the backend brings up the context."""
+    script = textwrap.dedent(
+        """
+        from extkv import ExtensibleTensor
+        buf = ExtensibleTensor(64 << 20, "cuda:0", num_segments=2)
+        buf.resize_per_segment_(1 << 20, zero_new=True)
+        view = buf.full_view()
+        view[:10] = 5
+        assert int(view[:10].sum()) == 50 and int(view[32 << 20 : (33 << 20)].sum()) == 0
+        buf.free()
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_see_committed_memory() -> None:
+    buf = ExtensibleTensor(256 * MiB, "cuda")
+    floats = buf.resize_(128 * MiB).view(torch.float32)
+    floats.copy_(torch.arange(floats.numel(), device="cuda", dtype=torch.float32))
+    buf.resize_(256 * MiB)
+    assert torch.equal(floats, torch.arange(floats.numel(), device="cuda", dtype=torch.float32))
+    buf.free()
