@@ -2,4 +2,17 @@
 
 from extkv.vmm import ExtensibleTensor
 
-__all__ = ["ExtensibleTensor"]
+__all__ = ["LLM", "ExtensibleTensor", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    # The engine pulls in transformers; import it only when asked for.
+    if name == "LLM":
+        from extkv.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from extkv.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'extkv' has no attribute {name!r}")

@@ -1,0 +1,100 @@
+"""A tiny random checkpoint extkv builds itself: the demo's model, and the tests'.
+
+The model is a real Hugging Face checkpoint folder (config.json, safetensors,
+tokenizer files) written by `transformers`, so it loads through exactly the
+same code as a downloaded one; only its weights are random.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CORPUS = """\
+The extensible KV cache reserves address space first and commits memory later.
+CUDA graphs bake in every address they touch, so the cache must never move.
+A paged cache hands out blocks of tokens to sequences as they grow.
+Continuous batching lets new requests join while others are still decoding.
+The quick brown fox jumps over the lazy dog. Once upon a time there was a model.
+Numbers like 1, 2, 3, 42 and 2026 appear in text, as do questions? And answers!
+"""
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_tokenizer(vocab_size: int = 384):  # -> PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained on a few sentences: small, real, offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def make_tiny_checkpoint(
+    folder: str | os.PathLike,
+    architecture: str = "qwen3",
+    *,
+    tie_word_embeddings: bool = True,
+    with_tokenizer: bool = True,
+    vocab_size: int = 384,
+    num_hidden_layers: int = 2,
+    seed: int = 0,
+    **config_overrides: object,
+) -> Path:
+    """Write a small random `Qwen3ForCausalLM` or `LlamaForCausalLM` checkpoint (fp32)."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    if architecture == "qwen3":
+        config = transformers.Qwen3Config(head_dim=32, **common, **config_overrides)
+        model_class = transformers.Qwen3ForCausalLM
+    elif architecture == "llama":
+        config = transformers.LlamaConfig(**common, **config_overrides)
+        model_class = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"architecture must be 'qwen3' or 'llama'; got {architecture!r}")
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        train_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def demo_checkpoint() -> Path:
+    """The demo's checkpoint, built once into the user's cache folder."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "extkv"
+    folder = cache / "tiny-qwen3"
+    if not (folder / "config.json").exists():
+        logger.info("Building a tiny random Qwen3 checkpoint in %s", folder)
+        make_tiny_checkpoint(folder)
+    return folder

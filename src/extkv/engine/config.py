@@ -1,0 +1,140 @@
+"""Every engine option in one validated place, shared by `LLM` and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+ENGINE_BACKENDS = ("split", "block_major")
+DEFAULT_CPU_MEMORY_BUDGET = 2 << 30
+
+
+@dataclass
+class EngineConfig:
+    """What `LLM(...)` accepts; see README for each option's meaning."""
+
+    model: str
+    device: str | int | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    enable_extensible_kv_cache: bool | Literal["auto"] = False
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "split"
+    seed: int = 0
+    cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET
+    kv_cache_margin_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(str(self.model), "config.json")):
+            raise ValueError(
+                f"model must be a checkpoint folder holding config.json; got {self.model!r}"
+            )
+        self.device = _resolve_engine_device(self.device)
+        self.dtype = _resolve_dtype(self.dtype, self.device)
+        if self.enable_extensible_kv_cache not in (True, False, "auto"):
+            raise ValueError(
+                "enable_extensible_kv_cache must be True, False or 'auto'; "
+                f"got {self.enable_extensible_kv_cache!r}"
+            )
+        if self.enable_extensible_kv_cache is True and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                "kv_cache_memory_bytes cannot be combined with enable_extensible_kv_cache: "
+                "the extensible KV cache sizes itself from the memory left after capture"
+            )
+        if not isinstance(self.gpu_memory_utilization, float | int) or not (
+            0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}"
+            )
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_margin_bytes"):
+            _check_int(name, getattr(self, name), minimum=0, optional=True)
+        if self.block_size not in _BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {_BLOCK_SIZES}; got {self.block_size!r}")
+        _check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, optional=True)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("cpu_memory_budget_bytes", self.cpu_memory_budget_bytes, minimum=1)
+        if self.attention_backend not in ENGINE_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ENGINE_BACKENDS}; "
+                f"got {self.attention_backend!r}"
+            )
+
+    def finalize(self, max_position_embeddings: int) -> None:
+        """Fill the defaults that depend on the model."""
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_position_embeddings})"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        suffix = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{suffix}; got {value!r}")
+
+
+def _resolve_engine_device(device: object) -> torch.device:
+    """None picks CUDA when there is one; otherwise "cpu", "cuda", "cuda:N" or an index."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    choices = '"cpu", "cuda", "cuda:N", an int N >= 0 or None'
+    if isinstance(device, bool):
+        raise ValueError(f"device must be {choices}; got {device!r}")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be {choices}; got {device!r}") from e
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be {choices}; got {device!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} asks for CUDA, but no CUDA device is available")
+        resolved = torch.device("cuda", resolved.index or 0)
+        if resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {resolved} does not exist")
+    return resolved
+
+
+def _resolve_dtype(dtype: object, device: torch.device) -> torch.dtype:
+    """None: bfloat16 on CUDA, float32 on the CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype); got {dtype!r}")

@@ -1,0 +1,119 @@
+"""`LLM`: the offline entry point, in the shape vLLM users know."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from extkv.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from extkv.engine.llm_engine import LLMEngine
+from extkv.engine.outputs import RequestOutput
+from extkv.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a checkpoint folder, size the KV cache, and generate.
+
+    `LLM(path, enable_extensible_kv_cache=True)` sizes the KV cache after CUDA
+    graph capture from the memory really left; the default legacy path sizes
+    it before, from an estimate.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | int | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        enable_extensible_kv_cache: bool | Literal["auto"] = False,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
+        attention_backend: str = "split",
+        seed: int = 0,
+        cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET,
+        kv_cache_margin_bytes: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            enable_extensible_kv_cache=enable_extensible_kv_cache,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
+            seed=seed,
+            cpu_memory_budget_bytes=cpu_memory_budget_bytes,
+            kv_cache_margin_bytes=kv_cache_margin_bytes,
+        )
+        self.engine = LLMEngine(config)
+
+    def memory_report(self) -> dict[str, object]:
+        return self.engine.memory_report.as_dict()
+
+    def get_tokenizer(self):  # -> PreTrainedTokenizerBase | None
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs keep the input order."""
+        requests = self._requests(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(requests)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(requests):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(requests)} prompts"
+                )
+        engine = self.engine
+        order = {}
+        for (text, ids), p in zip(requests, params, strict=True):
+            order[engine.add_request(ids, p, prompt=text)] = len(order)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    results[order[output.request_id]] = output
+                    bar.update(1)
+        return [r for r in results if r is not None]
+
+    def _requests(
+        self,
+        prompts: str | Seq[str] | None,
+        prompt_token_ids: Seq[int] | Seq[Seq[int]] | None,
+    ) -> list[tuple[str | None, list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompts must be a non-empty string or list of strings")
+            return [(t, self.engine.encode(t)) for t in texts]
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        nested = ids if isinstance(ids[0], list | tuple) else [ids]
+        return [(None, list(p)) for p in nested]

@@ -1,0 +1,134 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+`LLM.generate` drives it to completion; a server drives it step by step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from extkv.engine.block_manager import BlockManager
+from extkv.engine.config import EngineConfig
+from extkv.engine.model_runner import ModelRunner
+from extkv.engine.outputs import CompletionOutput, RequestOutput
+from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.scheduler import Scheduler
+from extkv.engine.sequence import Sequence
+from extkv.engine.startup import MemoryReport, initialize_kv_cache
+from extkv.models import load_model, model_facts
+
+logger = logging.getLogger(__name__)
+
+
+def _load_tokenizer(path: str):  # -> PreTrainedTokenizerBase | None
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        torch.manual_seed(config.seed)
+        model, hf_config = load_model(config.model, config.dtype, config.device)
+        facts = model_facts(hf_config, config.model)
+        config.finalize(facts.max_position_embeddings)
+        self.config = config
+        self.vocab_size = facts.vocab_size
+        self.runner = ModelRunner(config, model, facts.hidden_size)
+        self.kv_cache, self.report = initialize_kv_cache(self.runner, config)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            eos_token_ids=frozenset(facts.eos_token_ids),
+        )
+        self.tokenizer = _load_tokenizer(config.model)
+        self._requests: dict[str, tuple[Sequence, str | None]] = {}
+        self._ids = itertools.count()
+        self.report.startup_seconds = time.perf_counter() - start
+        logger.info("Engine ready in %.2f s.", self.report.startup_seconds)
+
+    @property
+    def memory_report(self) -> MemoryReport:
+        return self.report
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"prompts given as text need a tokenizer, and {self.config.model} has none; "
+                "pass prompt_token_ids instead"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request; return its id."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty: every request needs at least one prompt token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in ids if isinstance(t, int) and not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids must be ints in [0, {self.vocab_size}) (the vocabulary); "
+                f"got {bad[:5]}"
+            )
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves "
+                "no room to generate"
+            )
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, generator)
+        self._requests[request_id] = (seq, prompt)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks (e.g. its client went away)."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.update(batch, sampled)
+        return [self._output(self._requests.pop(seq.request_id)) for seq in finished]
+
+    def _output(self, entry: tuple[Sequence, str | None]) -> RequestOutput:
+        seq, prompt = entry
+        tokens = seq.output_token_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        completion = CompletionOutput(0, tokens, text, seq.finish_reason)
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion], True)

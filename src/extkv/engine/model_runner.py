@@ -1,0 +1,191 @@
+"""Runs the model on a scheduled batch: builds the paging metadata, runs the
+forward pass (eagerly, or by replaying a decode graph) and samples."""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+import torch
+from torch import nn
+
+from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.engine.config import EngineConfig
+from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
+from extkv.engine.sampler import Sampler
+from extkv.engine.scheduler import ScheduledBatch
+from extkv.engine.sequence import Sequence
+from extkv.kv_cache import FullAttentionSpec, KVCache, KVCacheGroup
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, hidden_size: int) -> None:
+        self.config = config
+        self.model = model
+        self.device: torch.device = config.device
+        self.hidden_size = hidden_size
+        self.attention_layers = {
+            name: m for name, m in model.named_modules() if isinstance(m, Attention)
+        }
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def weights_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        first = next(iter(self.attention_layers.values()))
+        spec = FullAttentionSpec(
+            block_size=self.config.block_size,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_dim,
+            dtype=self.config.dtype,
+        )
+        return [KVCacheGroup(layer_names=list(self.attention_layers), spec=spec)]
+
+    def bind_kv_cache(self, cache: KVCache) -> None:
+        for name, layer in self.attention_layers.items():
+            layer.k_cache, layer.v_cache = cache.kv_views(name)
+
+    # --- memory profiling --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run the largest step the scheduler can form (max_num_batched_tokens tokens over
+        up to max_num_seqs prompts) and return its peak activation memory in bytes."""
+        cfg = self.config
+        total = cfg.max_num_batched_tokens
+        num_seqs = min(cfg.max_num_seqs, max(1, -(-total // cfg.max_model_len)))
+        num_seqs = max(num_seqs, min(cfg.max_num_seqs, total))  # many rows to sample too
+        lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        metadata = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=cu.to(self.device),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(num_seqs, 0, dtype=torch.int32, device=self.device),
+            max_seqlen_q=max(lengths),
+            max_context_len=max(lengths),
+        )
+        input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        before = self._memory_high_water_mark(reset=True)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[cu[1:].long().to(self.device) - 1])
+        logits.argmax(dim=-1)
+        del hidden, logits
+        return max(self._memory_high_water_mark(reset=False) - before, 0)
+
+    def _memory_high_water_mark(self, reset: bool) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                return torch.cuda.memory_allocated(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        # The CPU has no allocator statistics: the process's peak resident set grows
+        # only when a step needs more than any step before it.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # --- CUDA graphs ---------------------------------------------------------------------
+
+    def capture_cudagraphs(self, batch_sizes: list[int] | None = None) -> int:
+        """Capture the decode graphs; return the device memory the capture took."""
+        if not self.use_cuda_graphs:
+            return 0
+        before = free_device_memory(self.device)
+        self.graphs = DecodeGraphs(
+            self.model,
+            decode_batch_sizes(self.config.max_num_seqs),
+            self.max_blocks_per_seq,
+            self.config.max_model_len,
+            self.hidden_size,
+            self.config.dtype,
+            self.device,
+        )
+        self.graphs.capture(batch_sizes)
+        return max(before - free_device_memory(self.device), 0)
+
+    def release_cudagraphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+            torch.cuda.empty_cache()
+
+    # --- one step ------------------------------------------------------------------------
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """Flatten the batch's new tokens; note which rows finish a sequence's context
+        (their logits are sampled)."""
+        block_size = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        context_lens = []
+        sample_rows: list[int] = []
+        sampled_seqs: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [
+                table[p // block_size] * block_size + p % block_size for p in range(start, end)
+            ]
+            cu.append(cu[-1] + n)
+            context_lens.append(end)
+            if end == len(seq):
+                sample_rows.append(cu[-1] - 1)
+                sampled_seqs.append(seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
+        as_tensor = lambda data, dtype: torch.tensor(data, dtype=dtype).to(  # noqa: E731
+            self.device, non_blocking=True
+        )
+        metadata = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=as_tensor(slots, torch.int64),
+            cu_seqlens_q=as_tensor(cu, torch.int32),
+            context_lens=as_tensor(context_lens, torch.int32),
+            block_tables=as_tensor(tables, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
+        )
+        ids, pos = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)
+        return ids, pos, metadata, sample_rows, sampled_seqs
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """Run one step; return the sampled token of every sequence that produced one."""
+        input_ids, positions, metadata, sample_rows, sampled_seqs = self._prepare(batch)
+        graphs = self.graphs
+        if (
+            not batch.is_prefill
+            and graphs is not None
+            and len(batch.seqs) <= graphs.batch_sizes[-1]
+        ):
+            hidden = graphs.run(input_ids, positions, metadata)
+        else:
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, positions)
+        if not sample_rows:
+            return {}
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sampler(
+            logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs]
+        )
+        return dict(zip(sampled_seqs, tokens, strict=True))

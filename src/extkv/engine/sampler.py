@@ -1,0 +1,60 @@
+"""Turns logits into tokens: greedy, temperature, top-k, top-p.
+
+Sampling draws by the exponential race (argmax of p / Exp(1)), which needs one
+noise row per sequence; a seeded request draws its row from its own generator,
+so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from extkv.engine.sampling_params import SamplingParams
+
+
+def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus top-p (k <= 0 or p >= 1: off)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    drop = ranks[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before > top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for requests without a seed of their own
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
+        """logits: float32 (num_seqs, vocab) -> one token per row."""
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            chosen = [params[i] for i in sampled_rows]
+            device = logits.device
+            temperature = torch.tensor([p.temperature for p in chosen], device=device)
+            top_k = torch.tensor([p.top_k for p in chosen], device=device)
+            top_p = torch.tensor([p.top_p for p in chosen], device=device)
+            scaled = _truncate(logits[rows] / temperature[:, None], top_k, top_p)
+            probs = scaled.softmax(dim=-1)
+            noise = torch.stack(
+                [
+                    torch.empty_like(probs[0]).exponential_(
+                        generator=generators[i] or self.generator
+                    )
+                    for i in sampled_rows
+                ]
+            )
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        return tokens.tolist()

@@ -1,0 +1,152 @@
+"""Continuous batching over paged blocks.
+
+Each step is either a prefill step (new prompts, or the next chunk of a long
+one, within `max_num_batched_tokens`) or a decode step (one token for every
+running sequence). Prefill goes first so new requests join the batch quickly.
+When a decode needs a block and none is free, the most recently admitted
+sequence is preempted: its blocks are freed and it recomputes later, which
+gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from extkv.engine.block_manager import BlockManager
+from extkv.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = self.max_num_batched_tokens
+        # A sequence whose prompt was cut into chunks goes on first.
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
+                continue  # preempted just now, or ready to decode
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n):
+                continue
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_hold(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs = []
+        for seq in list(self.running):
+            if seq.status == SequenceStatus.RUNNING and self._make_room(seq, len(seq)):
+                seqs.append(seq)
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` blocks for `num_tokens`, preempting younger sequences if needed.
+        False if `seq` itself had to be preempted."""
+        while not self.block_manager.can_hold(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens will be recomputed)", seq.request_id, len(seq))
+
+    def update(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[Sequence]:
+        """Record a step's results; return the sequences it finished."""
+        finished = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted within this very step
+            seq.num_computed_tokens += n
+            token = sampled.get(seq)
+            if token is None:
+                continue  # a prompt chunk: nothing sampled yet
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)

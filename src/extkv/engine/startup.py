@@ -1,0 +1,221 @@
+"""Start-up: how big the KV cache gets, and in which order things happen.
+
+Both flows begin with a profiling run at the largest batch, which gives the
+memory that is really available for the KV cache and the CUDA graphs:
+`available = budget - memory in use (weights, context, ...) - activation peak`.
+
+legacy      estimate the graph pool with a throwaway capture -> allocate the
+            whole KV cache from the estimate -> capture the graphs for real.
+extensible  reserve address space for `available` -> commit one block per
+            segment -> capture the graphs against those stable addresses ->
+            measure what the capture took -> size -> extend under the same
+            base pointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from extkv.engine.config import EngineConfig
+from extkv.engine.cuda_graphs import decode_batch_sizes
+from extkv.engine.model_runner import ModelRunner
+from extkv.kv_cache import KVCache, bytes_per_block, get_layout, make_kv_cache_config
+from extkv.vmm import ExtensibleTensor, VirtualMemoryError
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Headroom kept free by the extensible sizing on CUDA, for allocations that
+# appear after start-up (allocator fragmentation, cuBLAS workspaces of new
+# shapes); see BENCHMARKS.md for the measurement behind it.
+DEFAULT_CUDA_MARGIN_BYTES = 256 << 20
+
+
+@dataclass
+class MemoryReport:
+    extensible: bool
+    block_size: int
+    bytes_per_block: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    available_bytes: int
+    margin_bytes: int
+    num_blocks: int = 0
+    capacity_blocks: int = 0
+    kv_cache_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    graph_pool_bytes: int = 0
+    graph_pool_estimate_bytes: int | None = None
+    startup_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def use_extensible(config: EngineConfig) -> bool:
+    """Resolve enable_extensible_kv_cache, probing the device's VMM support for "auto"."""
+    if (
+        config.enable_extensible_kv_cache is not True
+        and config.enable_extensible_kv_cache != "auto"
+    ):
+        return False
+    if config.enable_extensible_kv_cache == "auto" and config.kv_cache_memory_bytes is not None:
+        return False
+    try:
+        ExtensibleTensor(0, config.device).free()
+    except VirtualMemoryError as e:
+        if config.enable_extensible_kv_cache is True:
+            raise RuntimeError(
+                f"enable_extensible_kv_cache=True needs CUDA virtual memory on {config.device}: {e}"
+            ) from e
+        warnings.warn(
+            f"no virtual memory management on {config.device} ({e}); using the legacy KV cache",
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def _memory_in_use(runner: ModelRunner, config: EngineConfig) -> tuple[int, int]:
+    """(budget, bytes already in use) for this engine's device."""
+    if config.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(config.device)
+        return int(total * config.gpu_memory_utilization), total - free
+    return config.cpu_memory_budget_bytes, runner.weights_bytes()
+
+
+def _check_fits(num_blocks: int, config: EngineConfig, bytes_per_block: int, what: str) -> None:
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        missing = (needed - num_blocks) * bytes_per_block
+        raise RuntimeError(
+            f"the KV cache ({what}) has {num_blocks} blocks, but one sequence of "
+            f"max_model_len={config.max_model_len} tokens needs {needed}: "
+            f"{missing / GiB:.3f} GiB ({missing} bytes) of memory are missing. Lower "
+            "max_model_len, raise gpu_memory_utilization / cpu_memory_budget_bytes, or use "
+            "a smaller model."
+        )
+
+
+def initialize_kv_cache(runner: ModelRunner, config: EngineConfig) -> tuple[KVCache, MemoryReport]:
+    start = time.perf_counter()
+    groups = runner.kv_cache_groups()
+    per_block = bytes_per_block(groups)
+    peak = runner.profile_run()
+    budget, in_use = _memory_in_use(runner, config)
+    margin = config.kv_cache_margin_bytes
+    if margin is None:
+        margin = DEFAULT_CUDA_MARGIN_BYTES if config.device.type == "cuda" else 0
+    report = MemoryReport(
+        extensible=use_extensible(config),
+        block_size=config.block_size,
+        bytes_per_block=per_block,
+        weights_bytes=runner.weights_bytes(),
+        activation_peak_bytes=peak,
+        available_bytes=max(budget - in_use - peak, 0),
+        margin_bytes=margin,
+    )
+    logger.info(
+        "Memory profile: budget %.2f GiB, in use %.2f GiB (weights %.2f GiB), activation "
+        "peak %.2f GiB, available %.2f GiB.",
+        budget / GiB,
+        in_use / GiB,
+        report.weights_bytes / GiB,
+        peak / GiB,
+        report.available_bytes / GiB,
+    )
+    flow = _extensible_flow if report.extensible else _legacy_flow
+    cache = flow(runner, config, report)
+    report.num_blocks = cache.num_blocks
+    report.capacity_blocks = cache.capacity_blocks
+    report.kv_cache_bytes = cache.committed_bytes
+    report.kv_reserved_bytes = cache.reserved_bytes
+    report.kv_bytes_by_kind = cache.bytes_by_kind()
+    logger.info("KV cache setup took %.2f s.", time.perf_counter() - start)
+    return cache, report
+
+
+def _layouts(runner: ModelRunner, config: EngineConfig) -> dict[str, object]:
+    layout = get_layout(config.attention_backend)
+    return dict.fromkeys(runner.attention_layers, layout)
+
+
+def _allocate(
+    runner: ModelRunner, config: EngineConfig, num_blocks: int, extensible: bool
+) -> KVCache:
+    kv_config = make_kv_cache_config(runner.kv_cache_groups(), num_blocks)
+    cache = KVCache(kv_config, _layouts(runner, config), config.device, extensible=extensible)
+    runner.bind_kv_cache(cache)
+    return cache
+
+
+def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport) -> KVCache:
+    per_block = report.bytes_per_block
+    capacity = max(report.available_bytes // per_block, config.num_gpu_blocks_override or 0)
+    if capacity < 1:
+        _check_fits(0, config, per_block, "nothing available after the profiling run")
+    cache = _allocate(runner, config, capacity, extensible=True)
+    logger.info(
+        "Reserved address space for %d KV blocks (%.2f GiB); committed %d block(s).",
+        capacity,
+        cache.reserved_bytes / GiB,
+        cache.num_blocks,
+    )
+    report.graph_pool_bytes = runner.capture_cudagraphs()
+    logger.info("CUDA graphs took %.3f GiB.", report.graph_pool_bytes / GiB)
+    final_bytes = max(report.available_bytes - report.graph_pool_bytes - report.margin_bytes, 0)
+    num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
+    _check_fits(num_blocks, config, per_block, "sized after graph capture")
+    num_blocks = cache.extend(num_blocks)
+    _check_fits(num_blocks, config, per_block, "extended as far as physical memory allowed")
+    logger.info("Extended KV cache to %d blocks.", num_blocks)
+    return cache
+
+
+def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport) -> KVCache:
+    per_block = report.bytes_per_block
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // per_block
+    else:
+        report.graph_pool_estimate_bytes = estimate_graph_memory(runner, config)
+        kv_bytes = report.available_bytes - report.graph_pool_estimate_bytes - report.margin_bytes
+        num_blocks = max(kv_bytes, 0) // per_block
+    _check_fits(num_blocks, config, per_block, "sized before graph capture")
+    cache = _allocate(runner, config, num_blocks, extensible=False)
+    logger.info(
+        "Allocated KV cache of %d blocks (%.2f GiB).", num_blocks, cache.committed_bytes / GiB
+    )
+    report.graph_pool_bytes = runner.capture_cudagraphs()
+    if report.graph_pool_estimate_bytes is not None:
+        logger.info(
+            "CUDA graphs took %.3f GiB (estimated %.3f GiB).",
+            report.graph_pool_bytes / GiB,
+            report.graph_pool_estimate_bytes / GiB,
+        )
+    return cache
+
+
+def estimate_graph_memory(runner: ModelRunner, config: EngineConfig) -> int:
+    """What the legacy path must guess before its KV cache exists: capture the largest
+    and the smallest decode graph against a one-block throwaway cache, and
+    extrapolate the smallest graph's increment to every other size."""
+    if not runner.use_cuda_graphs:
+        return 0
+    sizes = decode_batch_sizes(config.max_num_seqs)
+    scratch = _allocate(runner, config, 1, extensible=False)
+    try:
+        largest = runner.capture_cudagraphs([sizes[-1]])
+        runner.release_cudagraphs()
+        both = runner.capture_cudagraphs([sizes[-1], sizes[0]]) if len(sizes) > 1 else largest
+        runner.release_cudagraphs()
+    finally:
+        scratch.free()
+    return largest + max(both - largest, 0) * (len(sizes) - 1)
