@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from _common import copy_bandwidth
 from extkv import ExtensibleTensor
 
 GiB = 1 << 30
@@ -42,22 +43,6 @@ def torch_alloc_zero_seconds(size: int) -> float:
     finally:
         holder.clear()
         torch.cuda.empty_cache()
-
-
-def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy (median of events)."""
-    times = []
-    for _ in range(3):
-        dst.copy_(src)
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return 2 * src.numel() * src.element_size() / times[len(times) // 2]
 
 
 def bandwidth_ratio(size: int) -> dict[str, float]:

@@ -23,6 +23,18 @@ Continuous batching lets new requests join while others are still decoding.
 The quick brown fox jumps over the lazy dog. Once upon a time there was a model.
 Numbers like 1, 2, 3, 42 and 2026 appear in text, as do questions? And answers!
 """
+# The shape of Qwen3-0.6B, for GPU tests and benchmarks (random weights, no download).
+QWEN3_0_6B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    initializer_range=0.02,
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -45,7 +57,7 @@ def train_tokenizer(vocab_size: int = 384):  # -> PreTrainedTokenizerFast
     )
 
 
-def make_tiny_checkpoint(
+def make_random_checkpoint(
     folder: str | os.PathLike,
     architecture: str = "qwen3",
     *,
@@ -54,9 +66,11 @@ def make_tiny_checkpoint(
     vocab_size: int = 384,
     num_hidden_layers: int = 2,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> Path:
-    """Write a small random `Qwen3ForCausalLM` or `LlamaForCausalLM` checkpoint (fp32)."""
+    """Write a random `Qwen3ForCausalLM` or `LlamaForCausalLM` checkpoint: tiny by
+    default, any shape through `config_overrides` (e.g. QWEN3_0_6B_SHAPE)."""
     import transformers
 
     folder = Path(folder)
@@ -73,17 +87,21 @@ def make_tiny_checkpoint(
         eos_token_id=0,
         bos_token_id=0,
         pad_token_id=0,
+        # Larger than the usual 0.02, so greedy decoding wanders over the vocabulary
+        # instead of repeating one token: tests then notice a wrong step.
+        initializer_range=0.3,
     )
+    common.update(config_overrides)
     if architecture == "qwen3":
-        config = transformers.Qwen3Config(head_dim=32, **common, **config_overrides)
+        config = transformers.Qwen3Config(**{"head_dim": 32, **common})
         model_class = transformers.Qwen3ForCausalLM
     elif architecture == "llama":
-        config = transformers.LlamaConfig(**common, **config_overrides)
+        config = transformers.LlamaConfig(**common)
         model_class = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"architecture must be 'qwen3' or 'llama'; got {architecture!r}")
     torch.manual_seed(seed)
-    model = model_class(config).float().eval()
+    model = model_class(config).to(dtype).eval()
     model.save_pretrained(folder)
     if with_tokenizer:
         train_tokenizer(vocab_size).save_pretrained(folder)
@@ -96,5 +114,5 @@ def demo_checkpoint() -> Path:
     folder = cache / "tiny-qwen3"
     if not (folder / "config.json").exists():
         logger.info("Building a tiny random Qwen3 checkpoint in %s", folder)
-        make_tiny_checkpoint(folder)
+        make_random_checkpoint(folder)
     return folder

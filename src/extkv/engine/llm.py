@@ -65,6 +65,10 @@ class LLM:
     def memory_report(self) -> dict[str, object]:
         return self.engine.memory_report.as_dict()
 
+    def close(self) -> None:
+        """Free the device memory now rather than when the object is collected."""
+        self.engine.close()
+
     def get_tokenizer(self):  # -> PreTrainedTokenizerBase | None
         return self.engine.tokenizer
 

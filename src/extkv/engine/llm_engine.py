@@ -124,6 +124,13 @@ class LLMEngine:
         finished = self.scheduler.update(batch, sampled)
         return [self._output(self._requests.pop(seq.request_id)) for seq in finished]
 
+    def close(self) -> None:
+        """Give the device memory back (graphs, KV cache, weights) before the process ends."""
+        self.runner.release()
+        self.kv_cache.free()
+        if self.config.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _output(self, entry: tuple[Sequence, str | None]) -> RequestOutput:
         seq, prompt = entry
         tokens = seq.output_token_ids

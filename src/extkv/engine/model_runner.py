@@ -122,6 +122,14 @@ class ModelRunner:
             self.graphs = None
             torch.cuda.empty_cache()
 
+    def release(self) -> None:
+        """Drop the graphs and every reference to the KV cache and the weights."""
+        self.release_cudagraphs()
+        for layer in self.attention_layers.values():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.attention_layers.clear()
+        self.model = None
+
     # --- one step ------------------------------------------------------------------------
 
     def _prepare(

@@ -1,0 +1,122 @@
+"""Decode throughput: extkv legacy vs extensible vs transformers `generate`, one run.
+
+    python benchmarks/bench_decode.py [--batch-sizes 1 16 64 256] [--json OUT]
+
+Each batch gets random 512-token prompts and generates 256 tokens. Decode
+tokens/s comes from the difference of a 256-token and a 1-token run (so the
+prefill drops out); the roofline is the bytes one decode step must read
+(weights + the KV of every sequence) over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import torch
+import transformers
+
+from _common import device_bandwidth, qwen3_0_6b_checkpoint, timed
+from extkv import LLM, SamplingParams
+
+PROMPT_LEN, OUTPUT_LEN = 512, 256
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randint(1, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+
+
+def extkv_decode(llm: LLM, batch: int, vocab: int) -> tuple[float, float]:
+    """(end-to-end output tokens/s, decode tokens/s)"""
+    ids = prompts(batch, vocab)
+
+    def run(n: int):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+
+    run(2)  # warm-up
+    t_one, _ = timed(lambda: run(1))
+    t_all, _ = timed(lambda: run(OUTPUT_LEN))
+    return batch * OUTPUT_LEN / t_all, batch * (OUTPUT_LEN - 1) / (t_all - t_one)
+
+
+def hf_decode(model, batch: int, vocab: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts(batch, vocab), device="cuda")
+
+    def run(n: int):
+        return model.generate(
+            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+
+    run(2)
+    t_one, _ = timed(lambda: run(1))
+    t_all, _ = timed(lambda: run(OUTPUT_LEN))
+    return batch * OUTPUT_LEN / t_all, batch * (OUTPUT_LEN - 1) / (t_all - t_one)
+
+
+def roofline_tokens_per_s(batch: int, weights: int, kv_per_token: int, bandwidth: float) -> float:
+    mean_context = PROMPT_LEN + OUTPUT_LEN / 2
+    step_bytes = weights + batch * mean_context * kv_per_token
+    return batch * bandwidth / step_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    path = qwen3_0_6b_checkpoint()
+    config = transformers.AutoConfig.from_pretrained(path)
+    vocab = config.vocab_size
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    # Copy bandwidth counts bytes read + written; a decode step mostly reads.
+    bandwidth = device_bandwidth()
+    rows: dict[int, dict[str, float]] = {b: {} for b in args.batch_sizes}
+    weights = 0
+    for name, extensible in (("legacy", False), ("extensible", True)):
+        llm = LLM(
+            str(path),
+            enable_extensible_kv_cache=extensible,
+            max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+            max_num_seqs=max(args.batch_sizes),
+        )
+        weights = llm.memory_report()["weights_bytes"]
+        for batch in args.batch_sizes:
+            e2e, decode = extkv_decode(llm, batch, vocab)
+            rows[batch][f"{name}_tok_s"] = e2e
+            rows[batch][f"{name}_decode_tok_s"] = decode
+        llm.close()
+        del llm
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    for batch in args.batch_sizes:
+        e2e, decode = hf_decode(model, batch, vocab)
+        rows[batch]["hf_tok_s"] = e2e
+        rows[batch]["hf_decode_tok_s"] = decode
+        rows[batch]["roofline_tok_s"] = roofline_tokens_per_s(
+            batch, weights, kv_per_token, bandwidth
+        )
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; prompts {PROMPT_LEN}, outputs {OUTPUT_LEN}")
+    header = (
+        f"{'batch':>5} {'legacy':>9} {'extens':>9} {'ext/leg':>7} {'hf':>8} {'ext/hf':>7}"
+        f" {'dec ext':>9} {'dec hf':>8} {'roofline':>9} {'of roof':>7}"
+    )
+    print("tok/s (end to end; 'dec' = decode only, prefill removed)")
+    print(header)
+    for batch, r in rows.items():
+        print(
+            f"{batch:>5} {r['legacy_tok_s']:>9.0f} {r['extensible_tok_s']:>9.0f} "
+            f"{r['extensible_tok_s'] / r['legacy_tok_s']:>7.3f} {r['hf_tok_s']:>8.0f} "
+            f"{r['extensible_tok_s'] / r['hf_tok_s']:>7.1f} {r['extensible_decode_tok_s']:>9.0f} "
+            f"{r['hf_decode_tok_s']:>8.0f} {r['roofline_tok_s']:>9.0f} "
+            f"{r['extensible_decode_tok_s'] / r['roofline_tok_s']:>7.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

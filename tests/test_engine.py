@@ -1,0 +1,258 @@
+"""The engine end to end on the CPU: extkv greedy equals transformers, legacy equals
+extensible, preemption and chunked prefill change nothing, bad input is refused."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from extkv import LLM, SamplingParams
+from extkv.demo import make_random_checkpoint
+
+SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
+PROMPTS = [[5, 6, 7, 8, 9, 100, 200], [17] * 3, list(range(30, 71)), [250, 3]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(
+        tmp_path_factory.mktemp("llama"), "llama", tie_word_embeddings=False, with_tokenizer=False
+    )
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.mark.parametrize("backend", ["split", "block_major"])
+@pytest.mark.parametrize("extensible", [False, True])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_matches_transformers(arch: str, extensible: bool, backend: str, request) -> None:
+    path = request.getfixturevalue(arch)
+    expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+    llm = LLM(path, enable_extensible_kv_cache=extensible, attention_backend=backend, **SMALL)
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
+
+
+def test_legacy_and_extensible_agree_and_extensible_logs_its_flow(
+    qwen3: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    legacy = LLM(qwen3, **SMALL)
+    with caplog.at_level(logging.INFO, logger="extkv"):
+        extensible = LLM(qwen3, enable_extensible_kv_cache=True, **SMALL)
+    messages = [r.getMessage() for r in caplog.records]
+    reserve = next(i for i, m in enumerate(messages) if m.startswith("Reserved address space"))
+    extend = next(i for i, m in enumerate(messages) if m.startswith("Extended KV cache to "))
+    assert reserve < extend
+    report = extensible.memory_report()
+    assert messages[extend] == f"Extended KV cache to {report['num_blocks']} blocks."
+    assert report["extensible"] and not legacy.memory_report()["extensible"]
+    assert report["kv_cache_bytes"] >= report["num_blocks"] * report["bytes_per_block"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert extkv_tokens(legacy, PROMPTS, params) == extkv_tokens(extensible, PROMPTS, params)
+
+
+def test_memory_report_fields(qwen3: Path) -> None:
+    report = LLM(qwen3, **SMALL).memory_report()
+    for key in (
+        "extensible",
+        "num_blocks",
+        "block_size",
+        "kv_cache_bytes",
+        "graph_pool_bytes",
+        "weights_bytes",
+        "activation_peak_bytes",
+        "startup_seconds",
+    ):
+        assert key in report
+    assert report["graph_pool_bytes"] == 0  # no graphs on the CPU
+    assert report["weights_bytes"] > 0 and report["startup_seconds"] > 0
+    budget = SMALL["cpu_memory_budget_bytes"]
+    assert report["kv_cache_bytes"] <= budget - report["weights_bytes"]
+
+
+@pytest.mark.parametrize("extensible", [False, True])
+def test_preemption_keeps_outputs(qwen3: Path, extensible: bool) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    roomy = LLM(qwen3, **SMALL)
+    expected = extkv_tokens(roomy, prompts, params)
+    # 16 blocks of 16 tokens; each sequence grows to 70 tokens (5 blocks): 6 cannot fit.
+    tight = LLM(qwen3, num_gpu_blocks_override=16, enable_extensible_kv_cache=extensible, **SMALL)
+    assert extkv_tokens(tight, prompts, params) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.block_manager.num_used_blocks == 0  # everything given back
+
+
+def test_chunked_prefill_keeps_outputs(qwen3: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(1, 120)), list(range(200, 260)), [7, 8]]
+    expected = extkv_tokens(LLM(qwen3, **SMALL), prompts, params)
+    chunked = LLM(qwen3, **{**SMALL, "max_num_batched_tokens": 32, "max_num_seqs": 4})
+    assert extkv_tokens(chunked, prompts, params) == expected
+
+
+def test_eos_stops_and_text_is_decoded(qwen3: Path) -> None:
+    llm = LLM(qwen3, **SMALL)
+    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason in ("stop", "length")
+    assert completion.text == llm.get_tokenizer().decode(
+        completion.token_ids, skip_special_tokens=True
+    )
+    if completion.finish_reason == "stop":
+        assert completion.token_ids[-1] == 0
+    stopped = llm.generate(
+        prompt_token_ids=[PROMPTS[0]],
+        sampling_params=SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            stop_token_ids=[extkv_tokens(llm, [PROMPTS[0]], GREEDY)[0][3]],
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 4
+
+
+def test_seeded_sampling_is_reproducible(qwen3: Path) -> None:
+    llm = LLM(qwen3, **SMALL)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=50, max_tokens=20, seed=123, ignore_eos=True
+    )
+    alone = extkv_tokens(llm, [PROMPTS[0]], params)[0]
+    in_batch = extkv_tokens(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [params] * 3)
+    assert in_batch[1] == alone
+    other = SamplingParams(temperature=0.9, max_tokens=20, seed=124, ignore_eos=True)
+    assert extkv_tokens(llm, [PROMPTS[0]], other)[0] != alone
+    assert extkv_tokens(LLM(qwen3, **SMALL), [PROMPTS[0]], params)[0] == alone
+
+
+def test_top_k_one_is_greedy(qwen3: Path) -> None:
+    llm = LLM(qwen3, **SMALL)
+    sampled = SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert extkv_tokens(llm, PROMPTS, sampled) == extkv_tokens(llm, PROMPTS, greedy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"enable_extensible_kv_cache": True, "kv_cache_memory_bytes": 1 << 20},
+            "kv_cache_memory_bytes",
+        ),
+        ({"enable_extensible_kv_cache": "yes"}, "enable_extensible_kv_cache"),
+        ({"attention_backend": "flash"}, "attention_backend must be one of"),
+        ({"device": "tpu"}, "device must be"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"block_size": 7}, "block_size must be one of"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 100_000}, "max_position_embeddings"),
+        ({"num_gpu_blocks_override": -1}, "num_gpu_blocks_override"),
+    ],
+)
+def test_bad_engine_options(qwen3: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(qwen3, **{**SMALL, **kwargs})
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config\.json"):
+        LLM(tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("extensible", [False, True])
+def test_kv_cache_too_small_says_what_is_missing(qwen3: Path, extensible: bool) -> None:
+    with pytest.raises(RuntimeError, match=r"needs 16.*GiB \(\d+ bytes\) of memory are missing"):
+        LLM(qwen3, num_gpu_blocks_override=3, enable_extensible_kv_cache=extensible, **SMALL)
+    with pytest.raises(RuntimeError, match="missing"):
+        LLM(
+            qwen3,
+            enable_extensible_kv_cache=extensible,
+            **{**SMALL, "cpu_memory_budget_bytes": 1 << 20},
+        )
+
+
+def test_bad_prompts(qwen3: Path) -> None:
+    llm = LLM(qwen3, **SMALL)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 2, 384]], use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate(prompt_token_ids=[[1, -2]], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(prompt_token_ids=[[1] * 256], use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate(use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params has 2 entries"):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=[GREEDY, GREEDY], use_tqdm=False)
+    # Nothing was queued by the failed calls: the engine still serves.
+    assert not llm.engine.has_unfinished_requests()
+    assert len(extkv_tokens(llm, [[1, 2]], GREEDY)[0]) > 0
+
+
+def test_text_prompts_need_a_tokenizer(llama: Path) -> None:
+    llm = LLM(llama, **SMALL)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["hello"], use_tqdm=False)
+
+
+def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "extkv.cli", "demo", "--cpu-memory-budget-bytes", str(256 << 20)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "legacy and extensible outputs identical: True" in proc.stdout
+    assert "Extended KV cache to" in proc.stderr
