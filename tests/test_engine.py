@@ -215,7 +215,7 @@ def test_kv_cache_too_small_says_what_is_missing(qwen3: Path, extensible: bool) 
         LLM(
             qwen3,
             enable_extensible_kv_cache=extensible,
-            **{**SMALL, "cpu_memory_budget_bytes": 1 << 20},
+            **{**SMALL, "cpu_memory_budget_bytes": 400_000},
         )
 
 

@@ -3,6 +3,7 @@ forward pass (eagerly, or by replaying a decode graph) and samples."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import resource
 
@@ -39,7 +40,9 @@ class ModelRunner:
         return self.device.type == "cuda" and not self.config.enforce_eager
 
     def weights_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        """Bytes of the model's parameters and buffers, tied tensors counted once."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
     def kv_cache_groups(self) -> list[KVCacheGroup]:
         first = next(iter(self.attention_layers.values()))
@@ -62,9 +65,9 @@ class ModelRunner:
         """Run the largest step the scheduler can form (max_num_batched_tokens tokens over
         up to max_num_seqs prompts) and return its peak activation memory in bytes."""
         cfg = self.config
-        total = cfg.max_num_batched_tokens
-        num_seqs = min(cfg.max_num_seqs, max(1, -(-total // cfg.max_model_len)))
-        num_seqs = max(num_seqs, min(cfg.max_num_seqs, total))  # many rows to sample too
+        # As many sequences as a step may sample from, none longer than max_model_len.
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
         lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         metadata = AttentionMetadata(

@@ -1,0 +1,89 @@
+"""What the engine and the model code read from a Hugging Face config, in one place.
+
+Hugging Face configs spell the same fact several ways across versions and
+families (`rope_theta` on the config or in `rope_parameters`, `rope_scaling`
+in older files, `head_dim` absent or null); these helpers settle it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The shape facts the KV cache, scheduler and sampler need."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    """Explicit `head_dim` (Qwen3 sets one unequal to hidden/heads), else hidden/heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    """RoPE settings as one dict with `rope_type` and `rope_theta` always present.
+
+    transformers 5 keeps them in `rope_parameters`; older configs use
+    `rope_theta` plus an optional `rope_scaling` whose type key may be `type`.
+    """
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
+    params.setdefault("rope_type", params.pop("type", "default"))
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None)
+    if theta is None:
+        raise ValueError(f"{type(config).__name__} has no rope_theta")
+    params["rope_theta"] = float(theta)
+    return params
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def eos_token_ids(
+    config: PretrainedConfig, path: str | os.PathLike | None = None
+) -> tuple[int, ...]:
+    """EOS ids of config.json together with generation_config.json's.
+
+    Chat checkpoints (Qwen3, Llama 3) list the end-of-turn token only in the
+    generation config, which is what `generate` stops on.
+    """
+    ids = _as_ids(getattr(config, "eos_token_id", None))
+    generation_config = os.path.join(path, "generation_config.json") if path else None
+    if generation_config and os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            ids += _as_ids(json.load(f).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def model_facts(config: PretrainedConfig, path: str | os.PathLike | None = None) -> ModelFacts:
+    """The facts of `config`; `path` (the checkpoint folder) adds generation-config EOS ids."""
+    return ModelFacts(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=num_kv_heads(config),
+        head_dim=head_dim(config),
+        hidden_size=config.hidden_size,
+        max_position_embeddings=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+        eos_token_ids=eos_token_ids(config, path),
+    )

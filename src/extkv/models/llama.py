@@ -1,0 +1,114 @@
+"""Llama-style dense decoder; Qwen3 is the same network plus per-head q/k RMSNorm.
+
+Models take flat token batches: every sequence's tokens concatenated, no
+padding; the attention layer finds the sequence boundaries (and the paged KV
+cache) in the forward context.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from extkv.attention import Attention
+from extkv.models.config import head_dim, num_kv_heads, rope_parameters
+from extkv.models.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def _check_supported(config: PretrainedConfig) -> None:
+    """Refuse configs this network would silently get wrong."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("sliding-window attention layers are not supported")
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads(config)
+        self.head_dim = head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, qk_norm)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim(config), config.max_position_embeddings, rope_parameters(config)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by all layers
+        for layer in self.layers:
+            hidden = layer(hidden, rope)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-style causal LM; module names mirror the HF checkpoint's tensor names."""
+
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.model = DecoderModel(config, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype as HF."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,158 @@
+"""Build a model from a local Hugging Face checkpoint folder and load its safetensors.
+
+The model is built directly on the target device in the target dtype (no fp32
+copy on the CPU first). Checkpoint tensors map onto parameters by name; a
+parameter that fuses several checkpoint tensors (`MergedLinear`) is filled part
+by part through its `weight_loader`. Every name is checked before any tensor is
+read, so a mismatched checkpoint fails fast, naming what is missing and what
+is unexpected.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from extkv.models.layers import MergedLinear, default_weight_loader
+from extkv.models.llama import LlamaForCausalLM
+from extkv.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+# Tensors older checkpoints carry that the model recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LISTED_NAMES = 20
+
+
+def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures or architectures[0] not in MODEL_REGISTRY:
+        found = architectures[0] if architectures else None
+        raise ValueError(
+            f"unsupported architecture {found!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    return MODEL_REGISTRY[architectures[0]]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+) -> tuple[nn.Module, PretrainedConfig]:
+    """The model of checkpoint folder `path` on `device` in `dtype`, weights loaded, in eval
+    mode, and its Hugging Face config."""
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint folder holding config.json")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    device = torch.device(device)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)(config)
+    load_weights(model, path, device)
+    return model.requires_grad_(False).eval(), config
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint: those of the shard index, else all of them."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+@dataclass
+class _Slot:
+    """One parameter, or one part of a merged one, and the checkpoint names that may fill it
+    (several when weights are tied: lm_head.weight and model.embed_tokens.weight)."""
+
+    param: nn.Parameter
+    part: str | None
+    names: list[str] = field(default_factory=list)
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    """Every parameter (part) of `model` with the checkpoint names that may fill it."""
+    slots: dict[tuple[int, str | None], _Slot] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                parent = module_name.rpartition(".")[0]
+                sources = [(_join(parent, part, param_name), part) for part in module.parts]
+            else:
+                sources = [(_join(module_name, param_name), None)]
+            for name, part in sources:
+                slots.setdefault((id(param), part), _Slot(param, part)).names.append(name)
+    return list(slots.values())
+
+
+def _listing(names: list[str]) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - _LISTED_NAMES} more" if len(names) > _LISTED_NAMES else ""
+    return ", ".join(names[:_LISTED_NAMES]) + more
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str, device: torch.device) -> None:
+    """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
+    names_in: dict[str, list[str]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            names_in[file] = list(f.keys())
+    available = set().union(*names_in.values())
+
+    chosen: dict[str, _Slot] = {}
+    missing: list[str] = []
+    known: set[str] = set()
+    for slot in _slots(model):
+        known.update(slot.names)
+        present = [name for name in slot.names if name in available]
+        if present:
+            chosen[present[0]] = slot  # tied: the first module's name wins, as in HF
+        else:
+            missing.append(slot.names[0])
+    unexpected = [n for n in available - known if not n.endswith(_IGNORED_SUFFIXES)]
+    if missing or unexpected:
+        problems = [f"missing tensors: {_listing(missing)}"] if missing else []
+        problems += [f"unexpected tensors: {_listing(unexpected)}"] if unexpected else []
+        raise ValueError(
+            f"checkpoint {path} does not match {type(model).__name__}: " + "; ".join(problems)
+        )
+
+    for file, names in names_in.items():
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in filter(chosen.__contains__, names):
+                slot = chosen[name]
+                weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
+                try:
+                    weight_loader(slot.param, f.get_tensor(name), slot.part)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name} in {file}: {e}") from None

@@ -1,0 +1,11 @@
+"""Qwen3: the Llama-style decoder with RMSNorm on every q and k head before RoPE."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from extkv.models.llama import LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm: ClassVar[bool] = True
