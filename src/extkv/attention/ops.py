@@ -19,7 +19,12 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if key.is_cuda:  # Triton is imported on the GPU path only: CPU installs may lack it
+        from extkv.kernels.store_kv import store_kv as store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -29,6 +34,10 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if query.is_cuda:
+        from extkv.kernels.paged_attention import paged_attention as paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
     return paged_attention_reference(query, k_cache, v_cache, metadata, scale)
 
 
@@ -39,4 +48,8 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    if query.is_cuda:
+        from extkv.kernels.paged_attention import varlen_attention as varlen_attention_triton
+
+        return varlen_attention_triton(query, key, value, cu_seqlens, scale)
     return varlen_attention_reference(query, key, value, cu_seqlens, scale)

@@ -100,8 +100,9 @@ class LLM:
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    results[order[output.request_id]] = output
-                    bar.update(1)
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
         return [r for r in results if r is not None]
 
     def _requests(

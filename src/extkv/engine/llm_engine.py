@@ -116,13 +116,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that finished in it."""
+        """Run one scheduled step; return an output for every request that got a new
+        token in it (`finished` tells which are done; only those carry text)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         sampled = self.runner.execute(batch)
-        finished = self.scheduler.update(batch, sampled)
-        return [self._output(self._requests.pop(seq.request_id)) for seq in finished]
+        finished = set(self.scheduler.update(batch, sampled))
+        outputs = [self._output(seq, seq in finished) for seq in sampled]
+        for seq in finished:
+            del self._requests[seq.request_id]
+        return outputs
 
     def close(self) -> None:
         """Give the device memory back (graphs, KV cache, weights) before the process ends."""
@@ -131,11 +135,11 @@ class LLMEngine:
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _output(self, entry: tuple[Sequence, str | None]) -> RequestOutput:
-        seq, prompt = entry
-        tokens = seq.output_token_ids
+    def _output(self, seq: Sequence, finished: bool) -> RequestOutput:
+        tokens = list(seq.output_token_ids)
         text = None
-        if self.tokenizer is not None:
+        if finished and self.tokenizer is not None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         completion = CompletionOutput(0, tokens, text, seq.finish_reason)
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion], True)
+        prompt = self._requests[seq.request_id][1]
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion], finished)
