@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from extkv import ExtensibleTensor
-from extkv.vmm import HostBackend, VirtualMemoryOutOfMemory
+from extkv.vmm import HostBackend, VirtualMemoryOutOfMemory, free_physical_bytes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 MiB = 1 << 20
@@ -332,3 +332,22 @@ def test_cuda_kernels_see_committed_memory() -> None:
     buf.resize_(256 * MiB)
     assert torch.equal(floats, torch.arange(floats.numel(), device="cuda", dtype=torch.float32))
     buf.free()
+
+
+def test_free_physical_bytes_follows_commits() -> None:
+    backend = HostBackend(commit_limit_bytes=8 * MiB)
+    assert free_physical_bytes("cpu", backend) == 8 * MiB
+    buf = ExtensibleTensor(8 * MiB, "cpu", backend=backend)
+    buf.resize_(3 * MiB)  # two granules
+    assert free_physical_bytes("cpu", backend) == 4 * MiB
+    buf.free()
+    assert free_physical_bytes("cpu", backend) == 8 * MiB
+    assert free_physical_bytes("cpu") is None  # plain host memory: no bound of ours
+
+
+@pytest.mark.gpu
+def test_cuda_free_physical_bytes_matches_torch() -> None:
+    torch.cuda.synchronize()
+    ours = free_physical_bytes("cuda")
+    assert ours is not None
+    assert abs(ours - torch.cuda.mem_get_info()[0]) <= 64 * MiB

@@ -174,7 +174,6 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
     _check_fits(num_blocks, config, per_block, "sized after graph capture")
     num_blocks = cache.extend(num_blocks)
     _check_fits(num_blocks, config, per_block, "extended as far as physical memory allowed")
-    logger.info("Extended KV cache to %d blocks.", num_blocks)
     return cache
 
 

@@ -2,12 +2,13 @@
 
 from extkv.vmm.backend import VirtualMemoryError, VirtualMemoryOutOfMemory
 from extkv.vmm.host import HostBackend
-from extkv.vmm.tensor import ExtensibleTensor, resolve_device
+from extkv.vmm.tensor import ExtensibleTensor, free_physical_bytes, resolve_device
 
 __all__ = [
     "ExtensibleTensor",
     "HostBackend",
     "VirtualMemoryError",
     "VirtualMemoryOutOfMemory",
+    "free_physical_bytes",
     "resolve_device",
 ]

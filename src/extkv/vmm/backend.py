@@ -43,3 +43,7 @@ class Backend(Protocol):
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
         """A uint8 tensor over [address, address + size) that keeps `owner` alive."""
         ...
+
+    def free_bytes(self) -> int | None:
+        """Physical bytes that could be committed now, or None where nothing bounds it."""
+        ...

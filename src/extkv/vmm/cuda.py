@@ -122,6 +122,11 @@ class CudaBackend:
             _check(cu.cuMemUnmap(address, size), "cuMemUnmap")
             _check(cu.cuMemRelease(handle), "cuMemRelease")
 
+    def free_bytes(self) -> int | None:
+        with self._in_context():
+            free, _total = _check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
         if size == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)

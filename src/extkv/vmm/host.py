@@ -81,6 +81,11 @@ class HostBackend:
         _check(_libc.mprotect(address, size, _PROT_NONE), "mprotect")
         self.committed_bytes -= size
 
+    def free_bytes(self) -> int | None:
+        if self.commit_limit_bytes is None:
+            return None
+        return self.commit_limit_bytes - self.committed_bytes
+
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)

@@ -62,6 +62,11 @@ def _shared_backend(device: torch.device) -> Backend:
     return CudaBackend(device.index)
 
 
+def free_physical_bytes(device: DeviceLike, backend: Backend | None = None) -> int | None:
+    """What could be committed on `device` right now (None: unbounded host memory)."""
+    return (backend or _shared_backend(resolve_device(device))).free_bytes()
+
+
 def _check_size(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -1,0 +1,391 @@
+"""Triton kernels against the torch reference: the interpreter on CPU, the real thing on GPU.
+
+Triton picks its interpreter when kernels are decorated, so the CPU checks run
+this file as a script in a subprocess with `TRITON_INTERPRET=1`, leaving the
+pytest process (and its GPU tests) on compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+
+from extkv.attention.metadata import AttentionMetadata
+from extkv.attention.reference import (
+    paged_attention_reference,
+    store_kv_reference,
+    varlen_attention_reference,
+)
+from extkv.kernels.paged_attention import paged_attention, varlen_attention
+from extkv.kernels.store_kv import store_kv
+
+LAYOUTS = ("split", "block_major", "hybrid")
+
+
+@dataclass
+class Cache:
+    """One layer's K/V views over the buffer that holds them (page padding included)."""
+
+    buf: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def random(
+        cls,
+        layout: str,
+        num_blocks: int,
+        block_size: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> Cache:
+        page = (block_size, heads, head_dim)
+        if layout == "split":  # (2, N, B, H, D): K and V in separate segments
+            buf = torch.randn(2, num_blocks, *page, dtype=dtype, device=device)
+            return cls(buf, buf[0], buf[1])
+        if layout == "block_major":  # (N, 2, B, H, D): K and V of a block adjacent
+            buf = torch.randn(num_blocks, 2, *page, dtype=dtype, device=device)
+            return cls(buf, buf[:, 0], buf[:, 1])
+        assert layout == "hybrid"  # K and V of a block in one page padded to a Mamba-sized page
+        kv = block_size * heads * head_dim
+        buf = torch.randn(num_blocks, 2 * kv + 16 * head_dim, dtype=dtype, device=device)
+        return cls(buf, buf[:, :kv].unflatten(1, page), buf[:, kv : 2 * kv].unflatten(1, page))
+
+    def rebased(self, buf: torch.Tensor) -> Cache:
+        """The same views over `buf`, a buffer shaped and strided like this one."""
+        k, v = (buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (self.k, self.v))
+        return Cache(buf, k, v)
+
+
+@dataclass
+class Batch:
+    """A step's metadata and its new tokens' Q/K/V, strided views of one fused QKV tensor."""
+
+    metadata: AttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def make_batch(
+    context_lens: list[int],
+    q_lens: list[int],
+    num_blocks: int,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    table_width: int | None = None,
+) -> Batch:
+    """Sequences on randomly scattered pages; the new tokens are each one's context tail."""
+    pages = [-(-n // block_size) for n in context_lens]
+    width = table_width or max(pages) + 1  # at least one -1 column, as the engine pads
+    owned = torch.randperm(num_blocks)[: sum(pages)].to(torch.int32).split(pages)
+    block_tables = torch.full((len(pages), width), -1, dtype=torch.int32)
+    slots = []
+    for s, (blocks, context_len, q_len) in enumerate(zip(owned, context_lens, q_lens, strict=True)):
+        block_tables[s, : len(blocks)] = blocks
+        pos = torch.arange(context_len - q_len, context_len)
+        slots.append(blocks[pos // block_size].long() * block_size + pos % block_size)
+    qkv = torch.randn(sum(q_lens), num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    query, key, value = qkv.to(device).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    metadata = AttentionMetadata(
+        is_prefill=max(q_lens) > 1,
+        slot_mapping=torch.cat(slots).to(device),
+        cu_seqlens_q=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_seqlen_q=max(q_lens),
+        max_context_len=max(context_lens),
+    )
+    return Batch(metadata, query, key, value)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def check_store_kv(layout: str, block_size: int, dtype: torch.dtype, device: str) -> None:
+    """The whole buffer matches the reference's bit for bit: padding slots never written."""
+    cache = Cache.random(layout, 24, block_size, 2, 32, dtype, device)
+    batch = make_batch([5, 19, 40], [5, 3, 21], 24, block_size, 2, 2, 32, dtype, device)
+    slots = batch.metadata.slot_mapping.clone()
+    slots[::3] = -1
+    expected = cache.rebased(cache.buf.clone())
+    store_kv_reference(batch.key, batch.value, expected.k, expected.v, slots)
+    store_kv(batch.key, batch.value, cache.k, cache.v, slots)
+    assert torch.equal(cache.buf, expected.buf)
+
+
+def check_attention(
+    layout: str,
+    block_size: int,
+    group: int,
+    head_dim: int,
+    context_lens: list[int],
+    q_lens: list[int],
+    dtype: torch.dtype,
+    device: str,
+    tol: float,
+    num_splits: int | None = None,
+) -> None:
+    """Kernel output (NaN-poisoned first) vs the reference in float32."""
+    num_kv_heads = 2
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 7
+    cache = Cache.random(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    batch = make_batch(
+        context_lens,
+        q_lens,
+        num_blocks,
+        block_size,
+        group * num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, cache.k, cache.v, batch.metadata, scale, out, num_splits)
+    ref_cache = cache.rebased(cache.buf.float())
+    ref = paged_attention_reference(
+        batch.query.float(), ref_cache.k, ref_cache.v, batch.metadata, scale
+    )
+    assert relative_error(out, ref) < tol
+
+
+def check_varlen(group: int, dtype: torch.dtype, device: str, tol: float) -> None:
+    """Packed sequences without a cache, as in the profiling run."""
+    cu = torch.tensor([0, 1, 71, 84], dtype=torch.int32, device=device)
+    qkv = torch.randn(84, 2 * group + 4, 32, dtype=dtype).to(device)
+    query, key, value = qkv.split([2 * group, 2, 2], dim=1)
+    out = varlen_attention(query, key, value, cu, 0.2)
+    ref = varlen_attention_reference(query.float(), key.float(), value.float(), cu, 0.2)
+    assert relative_error(out, ref) < tol
+
+
+# ---------------------------------------------------------------- CPU: Triton interpreter
+
+CPU_TOL = 1e-5
+PREFILL_CPU = dict(context_lens=[21, 10, 110], q_lens=[21, 1, 40])  # no / short / long prefix
+DECODE_CPU = dict(context_lens=[1, 9, 150], q_lens=[1, 1, 1])
+
+
+def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
+    on_cpu = dict(dtype=torch.float32, device="cpu")
+    attn = partial(check_attention, **on_cpu, tol=CPU_TOL)
+    return {
+        "store_kv": [partial(check_store_kv, layout, 4, **on_cpu) for layout in LAYOUTS],
+        "prefill": [
+            *(partial(attn, layout, 4, 2, 32, **PREFILL_CPU) for layout in LAYOUTS),
+            partial(attn, "hybrid", 16, 3, 24, **PREFILL_CPU),  # odd group, non-power-of-2 dim
+        ],
+        "decode": [
+            *(partial(attn, layout, 4, 4, 32, **DECODE_CPU, num_splits=4) for layout in LAYOUTS),
+            partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1),
+        ],
+        "varlen": [partial(check_varlen, 2, **on_cpu, tol=CPU_TOL)],
+    }
+
+
+@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen"])
+def test_interpreted(kernel: str) -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_TOL = 1e-2
+PREFILL_GPU = dict(context_lens=[37, 14, 250, 128, 629], q_lens=[37, 1, 100, 64, 129])
+DECODE_GPU = dict(context_lens=[1, 17, 300, 1500, 777], q_lens=[1] * 5)
+bf16_gpu = dict(dtype=torch.bfloat16, device="cuda", tol=GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv_gpu(layout: str, block_size: int) -> None:
+    check_store_kv(layout, block_size, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_attention_gpu(step: str, layout: str, block_size: int, group: int) -> None:
+    lens = PREFILL_GPU if step == "prefill" else DECODE_GPU
+    check_attention(layout, block_size, group, 128, **lens, **bf16_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_gpu_head_dim_64(step: str, layout: str) -> None:
+    lens = PREFILL_GPU if step == "prefill" else DECODE_GPU
+    check_attention(layout, 16, 4, 64, **lens, **bf16_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 16])
+def test_decode_splits_gpu(num_splits: int) -> None:
+    check_attention("block_major", 16, 2, 128, **DECODE_GPU, **bf16_gpu, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4])
+def test_varlen_gpu(group: int) -> None:
+    check_varlen(group, **bf16_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["split", "block_major"])
+def test_decode_cuda_graph(layout: str) -> None:
+    """One capture replayed over new contents of every input: store + attend, as a runner does."""
+    num_seqs, block_size, num_blocks, max_len = 8, 16, 512, 4096
+    cache = Cache.random(layout, num_blocks, block_size, 2, 128, torch.bfloat16, "cuda")
+    width = max_len // block_size  # the runner sizes block tables for the model's max length
+
+    def batch(seed: int) -> Batch:
+        torch.manual_seed(seed)
+        context_lens = torch.randint(1, 1000, (num_seqs,)).tolist()
+        return make_batch(
+            context_lens,
+            [1] * num_seqs,
+            num_blocks,
+            block_size,
+            8,
+            2,
+            128,
+            torch.bfloat16,
+            "cuda",
+            table_width=width,
+        )
+
+    static = batch(0)
+    static.metadata.max_context_len = max_len
+
+    def step() -> torch.Tensor:
+        md = static.metadata
+        store_kv(static.key, static.value, cache.k, cache.v, md.slot_mapping)
+        return paged_attention(static.query, cache.k, cache.v, md, 0.1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    for seed in (1, 2, 3):
+        new = batch(seed)
+        for name in ("query", "key", "value"):
+            getattr(static, name).copy_(getattr(new, name))
+        for name in ("slot_mapping", "context_lens", "block_tables"):
+            getattr(static.metadata, name).copy_(getattr(new.metadata, name))
+        expected = cache.rebased(cache.buf.clone())
+        store_kv_reference(new.key, new.value, expected.k, expected.v, new.metadata.slot_mapping)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(cache.buf, expected.buf)
+        ref_cache = expected.rebased(expected.buf.float())
+        ref = paged_attention_reference(
+            new.query.float(), ref_cache.k, ref_cache.v, new.metadata, 0.1
+        )
+        assert relative_error(out, ref) < GPU_TOL
+
+
+def cuda_seconds(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
+    """Seconds per call of `fn`, timed over replays of a graph of `calls` calls (no launch cost)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (calls * replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["split", "block_major"])
+def test_decode_bandwidth(layout: str) -> None:
+    """Decode streams K/V near the device's read bandwidth (batch 64, 512 + 256 tokens, bf16)."""
+    num_seqs, context_len, block_size, heads, head_dim = 64, 768, 16, 8, 128
+    num_blocks = num_seqs * context_len // block_size
+    cache = Cache.random(layout, num_blocks, block_size, heads, head_dim, torch.bfloat16, "cuda")
+    batch = make_batch(
+        [context_len] * num_seqs,
+        [1] * num_seqs,
+        num_blocks,
+        block_size,
+        2 * heads,
+        heads,
+        head_dim,
+        torch.bfloat16,
+        "cuda",
+    )
+    out = torch.empty_like(batch.query)
+    kv_bytes = 2 * num_seqs * context_len * heads * head_dim * 2
+    seconds = cuda_seconds(
+        lambda: paged_attention(batch.query, cache.k, cache.v, batch.metadata, 0.1, out)
+    )
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))  # read + write
+    read_bw = src.numel() / cuda_seconds(lambda: src.view(torch.int64).sum())
+    attn_bw = kv_bytes / seconds
+    print(
+        f"\ndecode {layout}: {kv_bytes / 1e6:.0f} MB of K/V in {seconds * 1e6:.1f} us = "
+        f"{attn_bw / 1e9:.0f} GB/s; copy (read + write) {copy_bw / 1e9:.0f} GB/s "
+        f"({attn_bw / copy_bw:.2f}x); read-only sum {read_bw / 1e9:.0f} GB/s "
+        f"({attn_bw / read_bw:.2f}x)"
+    )
+    assert attn_bw > 0.7 * read_bw  # 0.9x on an H200
+
+
+def backport_interpreter_index_fix() -> None:
+    """Let interpreted loops take bounds loaded from memory on Triton 3.6 with numpy >= 2.4.
+
+    That interpreter holds scalars as 1-element arrays and turns loop bounds into
+    ints with `int(array)`, which such numpy refuses (triton-lang/triton#9171);
+    newer Triton squeezes first, as done here.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if __name__ == "__main__":
+    backport_interpreter_index_fix()
+    for check in interpreter_checks()[sys.argv[1]]:
+        torch.manual_seed(0)
+        check()
