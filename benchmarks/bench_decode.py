@@ -75,21 +75,29 @@ def main() -> None:
     # Copy bandwidth counts bytes read + written; a decode step mostly reads.
     bandwidth = device_bandwidth()
     rows: dict[int, dict[str, float]] = {b: {} for b in args.batch_sizes}
-    weights = 0
-    for name, extensible in (("legacy", False), ("extensible", True)):
-        llm = LLM(
+    # Both engines live side by side (half the GPU each) and take turns, twice per
+    # batch size, best of two: neither gets a warmer GPU or an emptier allocator.
+    engines = {
+        name: LLM(
             str(path),
             enable_extensible_kv_cache=extensible,
+            gpu_memory_utilization=0.45,
             max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
             max_num_seqs=max(args.batch_sizes),
         )
-        weights = llm.memory_report()["weights_bytes"]
-        for batch in args.batch_sizes:
-            e2e, decode = extkv_decode(llm, batch, vocab)
-            rows[batch][f"{name}_tok_s"] = e2e
-            rows[batch][f"{name}_decode_tok_s"] = decode
+        for name, extensible in (("legacy", False), ("extensible", True))
+    }
+    weights = engines["legacy"].memory_report()["weights_bytes"]
+    for batch in args.batch_sizes:
+        for _ in range(2):
+            for name, llm in engines.items():
+                e2e, decode = extkv_decode(llm, batch, vocab)
+                row = rows[batch]
+                row[f"{name}_tok_s"] = max(row.get(f"{name}_tok_s", 0.0), e2e)
+                row[f"{name}_decode_tok_s"] = max(row.get(f"{name}_decode_tok_s", 0.0), decode)
+    for llm in engines.values():
         llm.close()
-        del llm
+    del engines
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     for batch in args.batch_sizes:
         e2e, decode = hf_decode(model, batch, vocab)

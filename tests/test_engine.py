@@ -256,3 +256,18 @@ def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "legacy and extensible outputs identical: True" in proc.stdout
     assert "Extended KV cache to" in proc.stderr
+
+
+def test_static_decode_path_equals_eager(qwen3: Path) -> None:
+    """The graph path's staging and padding (run eagerly on the CPU) change nothing:
+    5 sequences run padded to a batch of 8, with sampled and greedy rows mixed."""
+    prompts = [*PROMPTS, [9, 8, 7]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, max_tokens=20, seed=7, ignore_eos=True)
+    params = [greedy, seeded, greedy, seeded, greedy]
+    static = LLM(qwen3, max_num_seqs=20, **SMALL)
+    assert static.engine.runner.graphs is not None
+    assert static.engine.runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
+    eager = LLM(qwen3, max_num_seqs=20, enforce_eager=True, **SMALL)
+    assert eager.engine.runner.graphs is None
+    assert extkv_tokens(static, prompts, params) == extkv_tokens(eager, prompts, params)

@@ -1,7 +1,14 @@
-"""CUDA graphs of the decode step, one per batch size, replayed with padding.
+"""The decode step as CUDA graphs, one per batch size, replayed with padding.
 
 A graph bakes in every address it touches, the KV cache's included; that is
 why the cache's base pointer must never move once these are captured.
+
+On a machine whose CPU launches kernels slowly, what surrounds the graph
+matters as much as the graph: every input of a decode step lives in ONE int32
+staging buffer, filled on the host and sent with one copy, and the graph
+covers the forward pass, the logits and the greedy argmax. Without CUDA (or
+with `capture=False`) the same static path runs eagerly, so the CPU tests
+exercise its padding and staging logic.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import torch
 from torch import nn
 
 from extkv.attention.metadata import AttentionMetadata, set_forward_context
+from extkv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +31,14 @@ def decode_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def free_device_memory(device: torch.device) -> int:
+    """Free device memory once nothing torch has cached but unused counts as taken."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)[0]
 
 
 class DecodeGraphs:
-    """Static input buffers plus one captured graph per decode batch size.
+    """Static decode inputs and outputs, plus one captured graph per batch size.
 
     Padding rows write nothing (slot -1) and attend to one token of block 0,
     which both KV cache paths always have committed.
@@ -40,22 +50,28 @@ class DecodeGraphs:
         batch_sizes: list[int],
         max_blocks_per_seq: int,
         max_model_len: int,
-        hidden_size: int,
-        dtype: torch.dtype,
+        vocab_size: int,
         device: torch.device,
+        block_size: int,
     ) -> None:
         self.model = model
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len = max_model_len
-        n = self.batch_sizes[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(n, **i32)
-        self.cu_seqlens_q = torch.arange(n + 1, **i32)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.capture_graphs = device.type == "cuda"
+        n, width = self.batch_sizes[-1], max_blocks_per_seq
+        pinned = self.capture_graphs
+        self.host = torch.zeros(4 * n + n * width, dtype=torch.int32, pin_memory=pinned)
+        self.staging = torch.zeros_like(self.host, device=device)
+        self._host_rows = self.host.numpy()[: 4 * n].reshape(4, n)  # ids, positions, slots, lens
+        self._host_tables = self.host.numpy()[4 * n :].reshape(n, width)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.staging[
+            : 4 * n
+        ].view(4, n)
+        self.block_tables = self.staging[4 * n :].view(n, width)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -69,39 +85,58 @@ class DecodeGraphs:
             max_context_len=self.max_model_len,
         )
 
+    def _forward(self, bs: int) -> None:
+        with set_forward_context(self._metadata(bs)):
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        logits = self.model.compute_logits(hidden)
+        self.logits[:bs] = logits
+        self.greedy_tokens[:bs] = logits.argmax(dim=-1)
+
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
-        """Capture largest first so smaller graphs reuse its pool memory."""
+        """Capture largest first, so smaller graphs reuse its pool memory."""
+        self._stage([], self.batch_sizes[-1])
+        if not self.capture_graphs:
+            return
         pool = None
         for bs in sorted(batch_sizes or self.batch_sizes, reverse=True):
-            with set_forward_context(self._metadata(bs)):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            self._forward(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bs)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        n = input_ids.numel()
+    def _stage(self, seqs: list[Sequence], bs: int) -> None:
+        """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""
+        rows, tables = self._host_rows, self._host_tables
+        rows[:, :bs] = ((0,), (0,), (-1,), (1,))  # padding: no write, one token of block 0
+        tables[:bs] = 0
+        block_size = self.block_size
+        for i, seq in enumerate(seqs):
+            position = len(seq) - 1
+            table = seq.block_table
+            rows[:, i] = (
+                seq.token_ids[-1],
+                position,
+                table[position // block_size] * block_size + position % block_size,
+                len(seq),
+            )
+            tables[i, : len(table)] = table
+        self.staging.copy_(self.host, non_blocking=True)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for `seqs`: (float32 logits, greedy tokens), one row each."""
+        n = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = metadata.slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = metadata.context_lens
-        self.context_lens[n:bs] = 1
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:n, :width] = metadata.block_tables
-        self.block_tables[n:bs] = 0
-        self.graphs[bs].replay()
-        return self.hidden[:n]
+        self._stage(seqs, bs)
+        if self.capture_graphs:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+        return self.logits[:n], self.greedy_tokens[:n]
 
     def release(self) -> None:
         self.graphs.clear()

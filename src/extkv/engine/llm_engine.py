@@ -19,7 +19,7 @@ from extkv.engine.outputs import CompletionOutput, RequestOutput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
 from extkv.engine.sequence import Sequence
-from extkv.engine.startup import MemoryReport, initialize_kv_cache
+from extkv.engine.startup import MemoryReport, free_memory_at_start, initialize_kv_cache
 from extkv.models import load_model, model_facts
 
 logger = logging.getLogger(__name__)
@@ -38,13 +38,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         torch.manual_seed(config.seed)
+        free_at_start = free_memory_at_start(config)
         model, hf_config = load_model(config.model, config.dtype, config.device)
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         self.config = config
         self.vocab_size = facts.vocab_size
-        self.runner = ModelRunner(config, model, facts.hidden_size)
-        self.kv_cache, self.report = initialize_kv_cache(self.runner, config)
+        self.runner = ModelRunner(config, model, facts.vocab_size)
+        self.kv_cache, self.report = initialize_kv_cache(self.runner, config, free_at_start)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -22,11 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, hidden_size: int) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, vocab_size: int) -> None:
         self.config = config
         self.model = model
         self.device: torch.device = config.device
-        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
         self.attention_layers = {
             name: m for name, m in model.named_modules() if isinstance(m, Attention)
         }
@@ -87,7 +87,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[cu[1:].long().to(self.device) - 1])
         logits.argmax(dim=-1)
         del hidden, logits
-        return max(self._memory_high_water_mark(reset=False) - before, 0)
+        peak = max(self._memory_high_water_mark(reset=False) - before, 0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the peak is budgeted apart; don't count it as in use too
+        return peak
 
     def _memory_high_water_mark(self, reset: bool) -> int:
         if self.device.type == "cuda":
@@ -103,21 +106,23 @@ class ModelRunner:
     # --- CUDA graphs ---------------------------------------------------------------------
 
     def capture_cudagraphs(self, batch_sizes: list[int] | None = None) -> int:
-        """Capture the decode graphs; return the device memory the capture took."""
-        if not self.use_cuda_graphs:
+        """Set up the static decode path and capture its graphs (CUDA); return the
+        device memory the capture took. `enforce_eager` keeps decode fully eager."""
+        if self.config.enforce_eager:
             return 0
-        before = free_device_memory(self.device)
+        cuda = self.device.type == "cuda"
+        before = free_device_memory(self.device) if cuda else 0
         self.graphs = DecodeGraphs(
             self.model,
             decode_batch_sizes(self.config.max_num_seqs),
             self.max_blocks_per_seq,
             self.config.max_model_len,
-            self.hidden_size,
-            self.config.dtype,
+            self.vocab_size,
             self.device,
+            self.config.block_size,
         )
         self.graphs.capture(batch_sizes)
-        return max(before - free_device_memory(self.device), 0)
+        return max(before - free_device_memory(self.device), 0) if cuda else 0
 
     def release_cudagraphs(self) -> None:
         if self.graphs is not None:
@@ -181,22 +186,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run one step; return the sampled token of every sequence that produced one."""
-        input_ids, positions, metadata, sample_rows, sampled_seqs = self._prepare(batch)
+        seqs = batch.seqs
         graphs = self.graphs
-        if (
-            not batch.is_prefill
-            and graphs is not None
-            and len(batch.seqs) <= graphs.batch_sizes[-1]
-        ):
-            hidden = graphs.run(input_ids, positions, metadata)
+        if not batch.is_prefill and graphs is not None and len(seqs) <= graphs.batch_sizes[-1]:
+            logits, greedy = graphs.run(seqs)
+            sampled_seqs = seqs
         else:
+            input_ids, positions, metadata, sample_rows, sampled_seqs = self._prepare(batch)
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
-        if not sample_rows:
-            return {}
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(
-            logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs]
-        )
+            if not sampled_seqs:
+                return {}
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits, greedy = self.model.compute_logits(hidden[rows]), None
+        params = [s.params for s in sampled_seqs]
+        tokens = self.sampler(logits, params, [s.generator for s in sampled_seqs], greedy)
         return dict(zip(sampled_seqs, tokens, strict=True))

@@ -35,11 +35,14 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        greedy_tokens: torch.Tensor | None = None,
     ) -> list[int]:
-        """logits: float32 (num_seqs, vocab) -> one token per row."""
-        tokens = logits.argmax(dim=-1)
+        """logits: float32 (num_seqs, vocab) -> one token per row. `greedy_tokens`, the
+        argmax when the caller already has it (the decode graph computes it)."""
+        tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
+            tokens = tokens.clone()
             rows = torch.tensor(sampled_rows, device=logits.device)
             chosen = [params[i] for i in sampled_rows]
             device = logits.device

@@ -82,12 +82,30 @@ def use_extensible(config: EngineConfig) -> bool:
     return True
 
 
-def _memory_in_use(runner: ModelRunner, config: EngineConfig) -> tuple[int, int]:
-    """(budget, bytes already in use) for this engine's device."""
-    if config.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(config.device)
-        return int(total * config.gpu_memory_utilization), total - free
-    return config.cpu_memory_budget_bytes, runner.weights_bytes()
+def free_memory_at_start(config: EngineConfig) -> int:
+    """Free device memory before the engine takes any: what others hold is not ours
+    to budget. Call before the weights are loaded."""
+    if config.device.type != "cuda":
+        return 0
+    return torch.cuda.mem_get_info(config.device)[0]
+
+
+def _memory_in_use(
+    runner: ModelRunner, config: EngineConfig, free_at_start: int
+) -> tuple[int, int]:
+    """(budget, bytes this engine already uses) on its device."""
+    if config.device.type != "cuda":
+        return config.cpu_memory_budget_bytes, runner.weights_bytes()
+    free, total = torch.cuda.mem_get_info(config.device)
+    budget = int(total * config.gpu_memory_utilization)
+    held_by_others = total - free_at_start
+    if held_by_others + budget > total:
+        raise RuntimeError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} asks for "
+            f"{budget / GiB:.2f} GiB of {config.device}, but only {free_at_start / GiB:.2f} GiB "
+            "were free when the engine started; lower gpu_memory_utilization"
+        )
+    return budget, free_at_start - free
 
 
 def _check_fits(num_blocks: int, config: EngineConfig, bytes_per_block: int, what: str) -> None:
@@ -103,12 +121,14 @@ def _check_fits(num_blocks: int, config: EngineConfig, bytes_per_block: int, wha
         )
 
 
-def initialize_kv_cache(runner: ModelRunner, config: EngineConfig) -> tuple[KVCache, MemoryReport]:
+def initialize_kv_cache(
+    runner: ModelRunner, config: EngineConfig, free_at_start: int
+) -> tuple[KVCache, MemoryReport]:
     start = time.perf_counter()
     groups = runner.kv_cache_groups()
     per_block = bytes_per_block(groups)
     peak = runner.profile_run()
-    budget, in_use = _memory_in_use(runner, config)
+    budget, in_use = _memory_in_use(runner, config, free_at_start)
     margin = config.kv_cache_margin_bytes
     if margin is None:
         margin = DEFAULT_CUDA_MARGIN_BYTES if config.device.type == "cuda" else 0
@@ -169,7 +189,13 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
     )
     report.graph_pool_bytes = runner.capture_cudagraphs()
     logger.info("CUDA graphs took %.3f GiB.", report.graph_pool_bytes / GiB)
-    final_bytes = max(report.available_bytes - report.graph_pool_bytes - report.margin_bytes, 0)
+    final_bytes = max(
+        report.available_bytes
+        - report.graph_pool_bytes
+        - report.margin_bytes
+        - cache.commit_rounding_bytes,
+        0,
+    )
     num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
     _check_fits(num_blocks, config, per_block, "sized after graph capture")
     num_blocks = cache.extend(num_blocks)
@@ -203,18 +229,22 @@ def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport
 
 
 def estimate_graph_memory(runner: ModelRunner, config: EngineConfig) -> int:
-    """What the legacy path must guess before its KV cache exists: capture the largest
-    and the smallest decode graph against a one-block throwaway cache, and
-    extrapolate the smallest graph's increment to every other size."""
+    """What the legacy path must guess before its KV cache exists: against a one-block
+    throwaway cache, capture the largest decode graph, then the two smallest beside
+    it, and extrapolate their mean increment to every other size."""
     if not runner.use_cuda_graphs:
         return 0
     sizes = decode_batch_sizes(config.max_num_seqs)
+    probe = [sizes[-1], *sizes[:2]][: len(sizes)]
     scratch = _allocate(runner, config, 1, extensible=False)
     try:
-        largest = runner.capture_cudagraphs([sizes[-1]])
+        largest = runner.capture_cudagraphs(probe[:1])
         runner.release_cudagraphs()
-        both = runner.capture_cudagraphs([sizes[-1], sizes[0]]) if len(sizes) > 1 else largest
+        several = runner.capture_cudagraphs(probe)
         runner.release_cudagraphs()
     finally:
         scratch.free()
-    return largest + max(both - largest, 0) * (len(sizes) - 1)
+    if len(probe) == 1:
+        return largest
+    per_graph = max(several - largest, 0) / (len(probe) - 1)
+    return int(largest + per_graph * (len(sizes) - 1))

@@ -229,6 +229,15 @@ class KVCache:
             totals[buffer.kind] = totals.get(buffer.kind, 0) + buffer.committed_bytes
         return totals
 
+    @property
+    def commit_rounding_bytes(self) -> int:
+        """The most that granule rounding can add to the committed bytes of the blocks
+        in use: a partial granule at the end of each segment."""
+        if not self.extensible:
+            return 0
+        segments = sum(b.memory.num_segments for b in self._buffers if b.memory is not None)
+        return segments * self._granularity
+
     # --- views -------------------------------------------------------------------------
 
     def kv_views(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
