@@ -16,6 +16,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -56,6 +57,16 @@ def child(
     return report
 
 
+def wait_for_free_memory(timeout: float = 30.0) -> None:
+    """Start each child only once the last one's memory is back with the driver."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free > 0.97 * total:
+            return
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -76,6 +87,7 @@ def main() -> None:
     # once after itself. Startup is the best of its two; the rest from its last run.
     reports: dict[str, dict] = {}
     for i, name in enumerate(("extensible", "legacy", "legacy", "extensible")):
+        wait_for_free_memory()
         cmd = [sys.executable, __file__, "--child", name, *(["--skip-load"] if i < 2 else [])]
         cmd += [
             "--max-num-seqs",
@@ -106,6 +118,11 @@ def main() -> None:
         ("activation peak GiB (max load)", "max_load_activation_peak_bytes", GiB),
         ("free GiB after max-load step", "free_after_max_load_bytes", GiB),
         ("startup s", "startup_seconds", 1),
+        ("  load weights s", "load_seconds", 1),
+        ("  profile s", "profile_seconds", 1),
+        ("  KV setup s", "kv_setup_seconds", 1),
+        ("    capture s", "capture_seconds", 1),
+        ("    extend s", "extend_seconds", 1),
     ]
     for label, key, scale in rows:
         cells = []

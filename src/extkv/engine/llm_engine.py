@@ -40,6 +40,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         free_at_start = free_memory_at_start(config)
         model, hf_config = load_model(config.model, config.dtype, config.device)
+        load_seconds = time.perf_counter() - start
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         self.config = config
@@ -57,6 +58,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, tuple[Sequence, str | None]] = {}
         self._ids = itertools.count()
+        self.report.load_seconds = load_seconds
         self.report.startup_seconds = time.perf_counter() - start
         logger.info("Engine ready in %.2f s.", self.report.startup_seconds)
 

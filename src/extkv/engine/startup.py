@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +32,7 @@ from extkv.vmm import ExtensibleTensor, VirtualMemoryError
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+T = TypeVar("T")
 # Headroom kept free by the extensible sizing on CUDA, for allocations that
 # appear after start-up (allocator fragmentation, cuBLAS workspaces of new
 # shapes); see BENCHMARKS.md for the measurement behind it.
@@ -52,7 +55,15 @@ class MemoryReport:
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
     graph_pool_bytes: int = 0
     graph_pool_estimate_bytes: int | None = None
+    # Where start-up time goes: loading weights, the profiling run, the whole KV
+    # setup (legacy: estimate + allocate + capture; extensible: reserve + capture
+    # + extend), and within it the graph capture and the extend.
     startup_seconds: float = 0.0
+    load_seconds: float = 0.0
+    profile_seconds: float = 0.0
+    kv_setup_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    extend_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -108,6 +119,12 @@ def _memory_in_use(
     return budget, free_at_start - free
 
 
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
 def _check_fits(num_blocks: int, config: EngineConfig, bytes_per_block: int, what: str) -> None:
     needed = -(-config.max_model_len // config.block_size)
     if num_blocks < needed:
@@ -128,6 +145,7 @@ def initialize_kv_cache(
     groups = runner.kv_cache_groups()
     per_block = bytes_per_block(groups)
     peak = runner.profile_run()
+    profile_seconds = time.perf_counter() - start
     budget, in_use = _memory_in_use(runner, config, free_at_start)
     margin = config.kv_cache_margin_bytes
     if margin is None:
@@ -140,6 +158,7 @@ def initialize_kv_cache(
         activation_peak_bytes=peak,
         available_bytes=max(budget - in_use - peak, 0),
         margin_bytes=margin,
+        profile_seconds=profile_seconds,
     )
     logger.info(
         "Memory profile: budget %.2f GiB, in use %.2f GiB (weights %.2f GiB), activation "
@@ -157,7 +176,14 @@ def initialize_kv_cache(
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
     report.kv_bytes_by_kind = cache.bytes_by_kind()
-    logger.info("KV cache setup took %.2f s.", time.perf_counter() - start)
+    report.kv_setup_seconds = time.perf_counter() - start
+    logger.info(
+        "KV cache setup took %.2f s (profile %.2f s, capture %.2f s, extend %.2f s).",
+        report.kv_setup_seconds,
+        report.profile_seconds,
+        report.capture_seconds,
+        report.extend_seconds,
+    )
     return cache, report
 
 
@@ -187,7 +213,7 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
         cache.reserved_bytes / GiB,
         cache.num_blocks,
     )
-    report.graph_pool_bytes = runner.capture_cudagraphs()
+    report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
     logger.info("CUDA graphs took %.3f GiB.", report.graph_pool_bytes / GiB)
     final_bytes = max(
         report.available_bytes
@@ -198,7 +224,7 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
     )
     num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
     _check_fits(num_blocks, config, per_block, "sized after graph capture")
-    num_blocks = cache.extend(num_blocks)
+    num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
     _check_fits(num_blocks, config, per_block, "extended as far as physical memory allowed")
     return cache
 
@@ -218,7 +244,7 @@ def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport
     logger.info(
         "Allocated KV cache of %d blocks (%.2f GiB).", num_blocks, cache.committed_bytes / GiB
     )
-    report.graph_pool_bytes = runner.capture_cudagraphs()
+    report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
     if report.graph_pool_estimate_bytes is not None:
         logger.info(
             "CUDA graphs took %.3f GiB (estimated %.3f GiB).",
