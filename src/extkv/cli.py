@@ -1,4 +1,4 @@
-"""The `extkv` command: demo, generate, info."""
+"""The `extkv` command: demo, generate, bench, serve, info."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+import time
 
 from extkv.engine.config import DEFAULT_CPU_MEMORY_BUDGET, ENGINE_BACKENDS, EngineConfig
 
@@ -37,18 +39,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="size the KV cache after CUDA-graph capture (true, false or auto)",
     )
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use"
+    )
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="legacy path only")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the block count")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in a batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--attention-backend", choices=ENGINE_BACKENDS, default="split")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cpu-memory-budget-bytes", type=int, default=DEFAULT_CPU_MEMORY_BUDGET)
-    g.add_argument("--kv-cache-margin-bytes", type=int, default=None)
+    g.add_argument(
+        "--attention-backend", choices=ENGINE_BACKENDS, default="split", help="KV cache layout"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    g.add_argument(
+        "--cpu-memory-budget-bytes",
+        type=int,
+        default=DEFAULT_CPU_MEMORY_BUDGET,
+        help="memory the engine may use on the CPU",
+    )
+    g.add_argument(
+        "--kv-cache-margin-bytes",
+        type=int,
+        default=None,
+        help="memory the extensible sizing keeps free (default: 256 MiB on CUDA)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -59,19 +75,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of every request")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
 
 
-def _generate(args: argparse.Namespace, model: str, prompts: list[str]) -> list:
-    from extkv import LLM, SamplingParams
+def _sampling_params(args: argparse.Namespace):  # -> SamplingParams
+    from extkv import SamplingParams
 
-    llm = LLM(model, **engine_kwargs(args))
-    params = SamplingParams(
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -79,7 +94,13 @@ def _generate(args: argparse.Namespace, model: str, prompts: list[str]) -> list:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    outputs = llm.generate(prompts, params)
+
+
+def _generate(args: argparse.Namespace, model: str, prompts: list[str]) -> list:
+    from extkv import LLM
+
+    llm = LLM(model, **engine_kwargs(args))
+    outputs = llm.generate(prompts, _sampling_params(args))
     for out in outputs:
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
     report = llm.memory_report()
@@ -89,6 +110,56 @@ def _generate(args: argparse.Namespace, model: str, prompts: list[str]) -> list:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _generate(args, args.model, args.prompt)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Offline throughput: `--num-prompts` random prompts of `--input-len` tokens,
+    submitted at once, each generating `--max-tokens` tokens."""
+    import torch
+
+    from extkv import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    shape = (args.num_prompts, args.input_len)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(1, llm.engine.vocab_size, shape, generator=generator).tolist()
+    params = _sampling_params(args)
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    llm.close()
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_tokens": generated,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 2),
+        "output_tokens_per_s": round(generated / elapsed, 1),
+        "total_tokens_per_s": round((generated + args.num_prompts * args.input_len) / elapsed, 1),
+    }
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the model over HTTP (OpenAI API) until interrupted."""
+    from extkv import LLM
+    from extkv.serving import ServerSettings, run_server
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("EXTKV_API_KEY"),
+        max_pending_requests=args.max_pending_requests,
+        max_request_bytes=args.max_request_bytes,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    try:
+        run_server(llm.engine, settings, args.host, args.port, args.log_level)
+    finally:
+        llm.close()
     return 0
 
 
@@ -132,9 +203,29 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every option's help; the epilog keeps its line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        return help if "default:" in help else super()._get_help_string(action)
+
+
+def _engine_options_help() -> str:
+    """The engine options and their defaults, so that `extkv --help` shows them all."""
+    parser = argparse.ArgumentParser(
+        add_help=False, usage=argparse.SUPPRESS, formatter_class=_HelpFormatter
+    )
+    add_engine_args(parser)
+    options = parser.format_help().lstrip().split("\n", 1)[1]  # without the group's title
+    return "engine options of demo, generate, bench and serve:\n" + options
+
+
 def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="extkv", description=__doc__, formatter_class=formatter)
+    formatter = _HelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="extkv", description=__doc__, epilog=_engine_options_help(), formatter_class=formatter
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -154,6 +245,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser(
+        "bench", help="offline throughput on random prompts", formatter_class=formatter
+    )
+    bench.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    bench.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
+    bench.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    add_engine_args(bench)
+    add_sampling_args(bench)
+    bench.set_defaults(func=cmd_bench, max_tokens=128, ignore_eos=True)
+
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server", formatter_class=formatter
+    )
+    serve.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 = all")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
+    serve.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $EXTKV_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests held at once, running or queued; beyond it: 429",
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=4 << 20, help="largest request body; beyond: 413"
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     info = sub.add_parser(
         "info", help="virtual-memory facts of this machine", formatter_class=formatter

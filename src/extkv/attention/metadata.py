@@ -31,9 +31,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq), -1 padded
     max_seqlen_q: int
     max_context_len: int
-    # Recurrent-state layers (Mamba): the cache block holding each sequence's state,
-    # and whether that state continues an earlier step (False: start from zeros).
-    state_indices: torch.Tensor | None = None  # int32 (num_seqs,)
+    # Recurrent-state layers (Mamba): per state group, the cache block holding each
+    # sequence's state (-1: a padding row, never written), and whether that state
+    # continues an earlier step (False: start from zeros).
+    state_indices: torch.Tensor | None = None  # int32 (num_state_groups, num_seqs)
     has_initial_state: torch.Tensor | None = None  # bool (num_seqs,)
 
     @property

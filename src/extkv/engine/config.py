@@ -17,6 +17,7 @@ _DTYPES = {
 _BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 ENGINE_BACKENDS = ("split", "block_major")
 DEFAULT_CPU_MEMORY_BUDGET = 2 << 30
+DEFAULT_MAX_MODEL_LEN = 8192  # for models without max_position_embeddings (pure Mamba)
 
 
 @dataclass
@@ -78,11 +79,11 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
 
-    def finalize(self, max_position_embeddings: int) -> None:
-        """Fill the defaults that depend on the model."""
+    def finalize(self, max_position_embeddings: int | None) -> None:
+        """Fill the defaults that depend on the model (None: it has no position limit)."""
         if self.max_model_len is None:
-            self.max_model_len = max_position_embeddings
-        elif self.max_model_len > max_position_embeddings:
+            self.max_model_len = max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        elif max_position_embeddings is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({max_position_embeddings})"

@@ -40,8 +40,8 @@ def free_device_memory(device: torch.device) -> int:
 class DecodeGraphs:
     """Static decode inputs and outputs, plus one captured graph per batch size.
 
-    Padding rows write nothing (slot -1) and attend to one token of block 0,
-    which both KV cache paths always have committed.
+    Padding rows write nothing (slot -1, state row -1) and attend to one token of
+    block 0, which both KV cache paths always have committed.
     """
 
     def __init__(
@@ -53,6 +53,7 @@ class DecodeGraphs:
         vocab_size: int,
         device: torch.device,
         block_size: int,
+        num_state_groups: int = 0,
     ) -> None:
         self.model = model
         self.batch_sizes = sorted(batch_sizes)
@@ -60,15 +61,18 @@ class DecodeGraphs:
         self.block_size = block_size
         self.capture_graphs = device.type == "cuda"
         n, width = self.batch_sizes[-1], max_blocks_per_seq
+        # Rows: ids, positions, slots, context lengths, then one of state blocks per group.
+        num_rows = 4 + num_state_groups
         pinned = self.capture_graphs
-        self.host = torch.zeros(4 * n + n * width, dtype=torch.int32, pin_memory=pinned)
+        self.host = torch.zeros(num_rows * n + n * width, dtype=torch.int32, pin_memory=pinned)
         self.staging = torch.zeros_like(self.host, device=device)
-        self._host_rows = self.host.numpy()[: 4 * n].reshape(4, n)  # ids, positions, slots, lens
-        self._host_tables = self.host.numpy()[4 * n :].reshape(n, width)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.staging[
-            : 4 * n
-        ].view(4, n)
-        self.block_tables = self.staging[4 * n :].view(n, width)
+        self._host_rows = self.host.numpy()[: num_rows * n].reshape(num_rows, n)
+        self._host_tables = self.host.numpy()[num_rows * n :].reshape(n, width)
+        rows = self.staging[: num_rows * n].view(num_rows, n)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = rows[:4]
+        self.state_indices = rows[4:] if num_state_groups else None
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)  # decode: always
+        self.block_tables = self.staging[num_rows * n :].view(n, width)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=device)
@@ -83,6 +87,8 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs],
             max_seqlen_q=1,
             max_context_len=self.max_model_len,
+            state_indices=None if self.state_indices is None else self.state_indices[:, :bs],
+            has_initial_state=self.has_initial_state[:bs],
         )
 
     def _forward(self, bs: int) -> None:
@@ -111,19 +117,20 @@ class DecodeGraphs:
     def _stage(self, seqs: list[Sequence], bs: int) -> None:
         """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""
         rows, tables = self._host_rows, self._host_tables
-        rows[:, :bs] = ((0,), (0,), (-1,), (1,))  # padding: no write, one token of block 0
+        # Padding: no KV write, one token of block 0, state row -1 (never written).
+        rows[:4, :bs] = ((0,), (0,), (-1,), (1,))
+        rows[4:, :bs] = -1
         tables[:bs] = 0
-        block_size = self.block_size
         for i, seq in enumerate(seqs):
             position = len(seq) - 1
-            table = seq.block_table
-            rows[:, i] = (
+            rows[:4, i] = (
                 seq.token_ids[-1],
                 position,
-                table[position // block_size] * block_size + position % block_size,
+                seq.slot(position, self.block_size),
                 len(seq),
             )
-            tables[i, : len(table)] = table
+            rows[4:, i] = seq.state_blocks
+            tables[i, : len(seq.block_table)] = seq.block_table
         self.staging.copy_(self.host, non_blocking=True)
 
     @torch.inference_mode()

@@ -47,7 +47,7 @@ class LLMEngine:
         self.vocab_size = facts.vocab_size
         self.runner = ModelRunner(config, model, facts.vocab_size)
         self.kv_cache, self.report = initialize_kv_cache(self.runner, config, free_at_start)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.runner.needs)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -11,12 +11,20 @@ import torch
 from torch import nn
 
 from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.engine.block_manager import BlockNeeds
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
 from extkv.engine.sampler import Sampler
 from extkv.engine.scheduler import ScheduledBatch
 from extkv.engine.sequence import Sequence
-from extkv.kv_cache import FullAttentionSpec, KVCache, KVCacheGroup
+from extkv.kv_cache import (
+    FullAttentionSpec,
+    KVCache,
+    KVCacheGroup,
+    MambaSpec,
+    make_kv_cache_config,
+)
+from extkv.models import Mamba2Mixer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +38,19 @@ class ModelRunner:
         self.attention_layers = {
             name: m for name, m in model.named_modules() if isinstance(m, Attention)
         }
+        self.mixers = {name: m for name, m in model.named_modules() if isinstance(m, Mamba2Mixer)}
+        if self.attention_layers and self.mixers:
+            self._fit_block_size_to_state()
+        # Hybrid models cut their Mamba layers into groups; each group keeps its own
+        # state block per sequence (see extkv.kv_cache.config).
+        groups = make_kv_cache_config(self.kv_cache_groups(), 1).groups
+        state_groups = [g.layer_names for g in groups if g.spec.kind == "mamba"]
+        for index, names in enumerate(state_groups):
+            for name in names:
+                self.mixers[name].state_group = index
+        self.needs = BlockNeeds(
+            config.block_size, bool(self.attention_layers), num_state_groups=len(state_groups)
+        )
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -44,19 +65,50 @@ class ModelRunner:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
-    def kv_cache_groups(self) -> list[KVCacheGroup]:
+    def _attention_spec(self) -> FullAttentionSpec:
         first = next(iter(self.attention_layers.values()))
-        spec = FullAttentionSpec(
+        return FullAttentionSpec(
             block_size=self.config.block_size,
             num_kv_heads=first.num_kv_heads,
             head_size=first.head_dim,
             dtype=self.config.dtype,
         )
-        return [KVCacheGroup(layer_names=list(self.attention_layers), spec=spec)]
+
+    def _state_spec(self) -> MambaSpec:
+        first = next(iter(self.mixers.values()))
+        return MambaSpec(self.config.block_size, first.state_shapes(), first.state_dtypes())
+
+    def _fit_block_size_to_state(self) -> None:
+        """Hybrid models share pages between attention and Mamba state, so an attention
+        page must hold a whole state: raise block_size to the next power of two that does."""
+        attention = self._attention_spec()
+        state_bytes = self._state_spec().page_size_bytes
+        if state_bytes <= attention.page_size_bytes:
+            return
+        per_token = attention.page_size_bytes // attention.block_size
+        block_size = 1 << (-(-state_bytes // per_token) - 1).bit_length()
+        logger.info(
+            "Raised block_size from %d to %d so that one attention page holds a %d-byte "
+            "Mamba state.",
+            self.config.block_size,
+            block_size,
+            state_bytes,
+        )
+        self.config.block_size = block_size
+
+    def kv_cache_groups(self) -> list[KVCacheGroup]:
+        groups = []
+        if self.attention_layers:
+            groups.append(KVCacheGroup(list(self.attention_layers), self._attention_spec()))
+        if self.mixers:
+            groups.append(KVCacheGroup(list(self.mixers), self._state_spec()))
+        return groups
 
     def bind_kv_cache(self, cache: KVCache) -> None:
         for name, layer in self.attention_layers.items():
             layer.k_cache, layer.v_cache = cache.kv_views(name)
+        for name, mixer in self.mixers.items():
+            mixer.ssm_state, mixer.conv_state = cache.layer_views[name]
 
     # --- memory profiling --------------------------------------------------------------
 
@@ -120,6 +172,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
             self.config.block_size,
+            self.needs.num_state_groups,
         )
         self.graphs.capture(batch_sizes)
         return max(before - free_device_memory(self.device), 0) if cuda else 0
@@ -135,7 +188,10 @@ class ModelRunner:
         self.release_cudagraphs()
         for layer in self.attention_layers.values():
             layer.k_cache = layer.v_cache = torch.empty(0)
+        for mixer in self.mixers.values():
+            mixer.ssm_state = mixer.conv_state = torch.empty(0)
         self.attention_layers.clear()
+        self.mixers.clear()
         self.model = None
 
     # --- one step ------------------------------------------------------------------------
@@ -157,10 +213,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            table = seq.block_table
-            slots += [
-                table[p // block_size] * block_size + p % block_size for p in range(start, end)
-            ]
+            slots += [seq.slot(p, block_size) for p in range(start, end)]
             cu.append(cu[-1] + n)
             context_lens.append(end)
             if end == len(seq):
@@ -180,6 +233,12 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
         )
+        if self.needs.num_state_groups:
+            groups = range(self.needs.num_state_groups)
+            indices = [[seq.state_blocks[g] for seq in batch.seqs] for g in groups]
+            metadata.state_indices = as_tensor(indices, torch.int32)
+            carry = [seq.num_computed_tokens > 0 for seq in batch.seqs]
+            metadata.has_initial_state = as_tensor(carry, torch.bool)
         ids, pos = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)
         return ids, pos, metadata, sample_rows, sampled_seqs
 

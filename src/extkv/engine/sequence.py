@@ -33,7 +33,8 @@ class Sequence:
         self.generator = generator  # set for seeded requests: sampling independent of batching
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # attention blocks, in token order
+        self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
@@ -50,6 +51,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def slot(self, position: int, block_size: int) -> int:
+        """Cache slot of token `position`; -1 where the model keeps no per-token cache
+        (pure Mamba: its state is one block, not a slot per token)."""
+        if not self.block_table:
+            return -1
+        return self.block_table[position // block_size] * block_size + position % block_size
 
     @property
     def is_finished(self) -> bool:

@@ -26,7 +26,14 @@ import torch
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.model_runner import ModelRunner
-from extkv.kv_cache import KVCache, bytes_per_block, get_layout, make_kv_cache_config
+from extkv.kv_cache import (
+    AttentionLayout,
+    KVCache,
+    bytes_per_block,
+    get_layout,
+    hybrid_layout,
+    make_kv_cache_config,
+)
 from extkv.vmm import ExtensibleTensor, VirtualMemoryError
 
 logger = logging.getLogger(__name__)
@@ -125,8 +132,9 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
-def _check_fits(num_blocks: int, config: EngineConfig, bytes_per_block: int, what: str) -> None:
-    needed = -(-config.max_model_len // config.block_size)
+def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what: str) -> None:
+    config = runner.config
+    needed = runner.needs.blocks_for(config.max_model_len)
     if num_blocks < needed:
         missing = (needed - num_blocks) * bytes_per_block
         raise RuntimeError(
@@ -187,8 +195,12 @@ def initialize_kv_cache(
     return cache, report
 
 
-def _layouts(runner: ModelRunner, config: EngineConfig) -> dict[str, object]:
+def _layouts(runner: ModelRunner, config: EngineConfig) -> dict[str, AttentionLayout]:
+    """Every attention layer's layout; in a hybrid model re-strided so that K and V of
+    a block share one page, the page a Mamba state may take instead."""
     layout = get_layout(config.attention_backend)
+    if runner.mixers:
+        layout = hybrid_layout(layout)
     return dict.fromkeys(runner.attention_layers, layout)
 
 
@@ -205,7 +217,7 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
     per_block = report.bytes_per_block
     capacity = max(report.available_bytes // per_block, config.num_gpu_blocks_override or 0)
     if capacity < 1:
-        _check_fits(0, config, per_block, "nothing available after the profiling run")
+        _check_fits(0, runner, per_block, "nothing available after the profiling run")
     cache = _allocate(runner, config, capacity, extensible=True)
     logger.info(
         "Reserved address space for %d KV blocks (%.2f GiB); committed %d block(s).",
@@ -223,9 +235,9 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
         0,
     )
     num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
-    _check_fits(num_blocks, config, per_block, "sized after graph capture")
+    _check_fits(num_blocks, runner, per_block, "sized after graph capture")
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
-    _check_fits(num_blocks, config, per_block, "extended as far as physical memory allowed")
+    _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")
     return cache
 
 
@@ -239,7 +251,7 @@ def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport
         report.graph_pool_estimate_bytes = estimate_graph_memory(runner, config)
         kv_bytes = report.available_bytes - report.graph_pool_estimate_bytes - report.margin_bytes
         num_blocks = max(kv_bytes, 0) // per_block
-    _check_fits(num_blocks, config, per_block, "sized before graph capture")
+    _check_fits(num_blocks, runner, per_block, "sized before graph capture")
     cache = _allocate(runner, config, num_blocks, extensible=False)
     logger.info(
         "Allocated KV cache of %d blocks (%.2f GiB).", num_blocks, cache.committed_bytes / GiB

@@ -1,13 +1,19 @@
 """Model implementations and the Hugging Face checkpoint loader."""
 
+from extkv.models.bamba import BambaForCausalLM
 from extkv.models.config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM
 from extkv.models.loader import MODEL_REGISTRY, load_model
+from extkv.models.mamba2 import Mamba2Mixer
+from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = [
     "MODEL_REGISTRY",
+    "BambaForCausalLM",
     "LlamaForCausalLM",
+    "Mamba2ForCausalLM",
+    "Mamba2Mixer",
     "ModelFacts",
     "Qwen3ForCausalLM",
     "load_model",

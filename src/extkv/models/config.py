@@ -17,13 +17,9 @@ from transformers import PretrainedConfig
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """The shape facts the KV cache, scheduler and sampler need."""
+    """What the engine needs to know of a model beyond its layers."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    max_position_embeddings: int
+    max_position_embeddings: int | None  # None: no positional limit (pure Mamba)
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
@@ -79,11 +75,7 @@ def eos_token_ids(
 def model_facts(config: PretrainedConfig, path: str | os.PathLike | None = None) -> ModelFacts:
     """The facts of `config`; `path` (the checkpoint folder) adds generation-config EOS ids."""
     return ModelFacts(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=num_kv_heads(config),
-        head_dim=head_dim(config),
-        hidden_size=config.hidden_size,
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
         vocab_size=config.vocab_size,
         eos_token_ids=eos_token_ids(config, path),
     )

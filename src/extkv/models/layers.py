@@ -56,11 +56,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 def rope_inv_freq(head_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) in fp32 on the CPU, where HF computes them too."""
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    """Inverse frequencies (rotary_dim / 2,) in fp32 on the CPU, where HF computes them too.
+
+    `partial_rotary_factor` (Bamba: 0.5) rotates only the leading
+    `rotary_dim = head_dim * factor` channels of each head.
+    """
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     theta = params["rope_theta"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":
@@ -91,15 +94,20 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (T, 1, head_dim / 2) in `dtype`, broadcasting over heads."""
+        """cos, sin of shape (T, 1, rotary_dim / 2) in `dtype`, broadcasting over heads."""
         cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, head_dim) in halves: HF's `x*cos + rotate_half(x)*sin`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate x (T, heads, head_dim) in halves: HF's `x*cos + rotate_half(x)*sin`.
+
+    Only the leading `2 * cos.shape[-1]` channels rotate; with partial rotary
+    the rest pass through unchanged, as HF does.
+    """
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
 
 
 class MergedLinear(nn.Linear):

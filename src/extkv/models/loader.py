@@ -22,12 +22,16 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from extkv.models.bamba import BambaForCausalLM
 from extkv.models.layers import MergedLinear, default_weight_loader
 from extkv.models.llama import LlamaForCausalLM
+from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "BambaForCausalLM": BambaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 

@@ -1,0 +1,98 @@
+"""Bamba: a hybrid decoder, each layer Mamba2 or attention (`attn_layer_indices`), then an MLP.
+
+The attention layers are the Llama-style ones (with Bamba's partial rotary,
+half of each head), so they are `extkv.attention.Attention` modules over the
+paged KV cache; the Mamba2 layers keep per-sequence states in cache blocks.
+Module names mirror the HF checkpoint's tensor names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from extkv.models.config import head_dim, rope_parameters
+from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from extkv.models.llama import DecoderAttention
+from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation
+
+
+def bamba_dims(config: PretrainedConfig) -> Mamba2Dims:
+    return Mamba2Dims(
+        hidden_size=config.hidden_size,
+        num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        state_size=config.mamba_d_state,
+        n_groups=config.mamba_n_groups,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.mamba_chunk_size,
+        eps=config.rms_norm_eps,
+        use_bias=config.mamba_proj_bias,
+        use_conv_bias=config.mamba_conv_bias,
+        time_step_limit=tuple(config.time_step_limit),
+    )
+
+
+class BambaDecoderLayer(nn.Module):
+    """Token mixer (Mamba2 or attention) and MLP, each pre-norm with a residual."""
+
+    def __init__(self, config: PretrainedConfig, is_attention: bool) -> None:
+        super().__init__()
+        self.is_attention = is_attention
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = GatedMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        if is_attention:
+            self.self_attn = DecoderAttention(config, qk_norm=False)
+        else:
+            self.mamba = Mamba2Mixer(bamba_dims(config))
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        mixed = self.input_layernorm(hidden)
+        mixed = self.self_attn(mixed, rope) if self.is_attention else self.mamba(mixed)
+        hidden = hidden + mixed
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class BambaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        attention = set(getattr(config, "attn_layer_indices", None) or ())
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(config, i in attention) for i in range(config.num_hidden_layers)
+        )
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim(config), config.max_position_embeddings, rope_parameters(config)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope)
+        return self.final_layernorm(hidden)
+
+
+class BambaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_activation(config.hidden_act)  # the MLP's too: GatedMLP is SiLU-gated
+        self.model = BambaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,79 @@
+"""Mamba2ForCausalLM: a stack of pre-norm Mamba2 mixers, no attention and no positions.
+
+Module names mirror the HF checkpoint's tensor names (`backbone.layers.N.mixer`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from extkv.models.layers import RMSNorm
+from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation
+
+
+def mamba2_dims(config: PretrainedConfig) -> Mamba2Dims:
+    return Mamba2Dims(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        state_size=config.state_size,
+        n_groups=config.n_groups,
+        conv_kernel=config.conv_kernel,
+        chunk_size=config.chunk_size,
+        eps=config.layer_norm_epsilon,
+        use_bias=config.use_bias,
+        use_conv_bias=config.use_conv_bias,
+        time_step_limit=tuple(config.time_step_limit),
+    )
+
+
+class Mamba2Block(nn.Module):
+    """Pre-norm residual block; with `residual_in_fp32` the residual stream stays fp32
+    (as HF), each block's input cast to the model dtype before its norm."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(mamba2_dims(config))
+        self.residual_in_fp32 = config.residual_in_fp32
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        return residual + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)))
+
+
+class Mamba2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(config) for _ in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embeddings(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        # An fp32 residual stream leaves the final norm in fp32; the logits matmul
+        # casts to the model dtype anyway, so hand the engine that dtype, as every model.
+        return self.norm_f(hidden).to(self.embeddings.weight.dtype)
+
+
+class Mamba2ForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_activation(config.hidden_act)
+        self.backbone = Mamba2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size); a recurrent
+        model needs no positions, its states carry the order."""
+        return self.backbone(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()

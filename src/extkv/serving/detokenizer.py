@@ -1,0 +1,57 @@
+"""Text deltas from a growing list of tokens, with stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TextStream:
+    """Incremental detokenization of one request.
+
+    Each step decodes only a short window (the previous step's tokens as context,
+    then the new ones), so a step costs O(1) however long the output grows, and a
+    UTF-8 character split over byte-level tokens waits until it is whole. With stop
+    strings, the last `len(longest stop) - 1` characters are held back until they
+    can no longer begin a match, so streamed text never shows part of a stop string.
+    """
+
+    def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
+        self.tokenizer = tokenizer  # None: the model has no tokenizer, so no text
+        self.stop = stop
+        self.holdback = max(map(len, stop), default=1) - 1
+        self.text = ""  # decoded so far, up to a stop string if one was hit
+        self.stopped = False
+        self._token_ids: list[int] = []
+        self._sent = 0  # characters of `text` already handed out
+        self._prefix = 0  # window start: the context tokens
+        self._read = 0  # tokens already turned into text
+
+    def add(self, token_ids: list[int], finished: bool) -> str:
+        """Take a step's new tokens; return the text that is now safe to send."""
+        self._token_ids += token_ids
+        start = max(len(self.text) - self.holdback, 0)  # where a new match can begin
+        self.text += self._decode_new(flush=finished)
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        end = len(self.text)
+        if not (finished or self.stopped):
+            end = max(end - self.holdback, self._sent)
+        delta = self.text[self._sent : end]
+        self._sent = end
+        return delta
+
+    def _decode_new(self, flush: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        ids = self._token_ids
+        context = self._decode(ids[self._prefix : self._read])
+        window = self._decode(ids[self._prefix :])
+        if len(window) <= len(context) or (window.endswith("\ufffd") and not flush):
+            return ""  # nothing new, or a character still incomplete
+        self._prefix, self._read = self._read, len(ids)
+        return window[len(context) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

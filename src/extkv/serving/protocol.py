@@ -1,0 +1,199 @@
+"""The OpenAI wire format: request models that refuse bad input with a message naming
+the field, and the response and stream-chunk objects of both endpoints."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
+
+T = TypeVar("T", bound=BaseModel)
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error the client caused (or must wait out), sent as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
+        if self.status >= 500:
+            kind = "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+
+def _one_of(allowed: str) -> WrapValidator:
+    """Replace a union's per-branch errors by one message saying what is allowed."""
+
+    def validate(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_value", "must be " + allowed) from None
+
+    return WrapValidator(validate)
+
+
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+Prompt = Annotated[str | list[TokenId], _one_of("a string or a list of token ids (ints >= 0)")]
+Stop = Annotated[
+    StopString | list[StopString], _one_of("a non-empty string or a list of non-empty strings")
+]
+
+
+class _Strict(BaseModel):
+    # strict: "1" is not a number and 1.5 not an int; forbid: a misspelt field is an error,
+    # not a silently ignored option.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields both endpoints share; the last four are extensions in vLLM's style."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: Stop | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int = -1
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[
+    str | list[TextPart], _one_of('a string or a list of {"type": "text", "text": ...} parts')
+]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Content
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):
+            text = "".join(part.text for part in text)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def parse_request(model: type[T], body: bytes) -> T:
+    """Validate a JSON body; every problem becomes one 400 naming its field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "request body"
+            message = error["msg"]
+            if error["type"] == "extra_forbidden":
+                message = f"unknown field; accepted fields: {', '.join(model.model_fields)}"
+            problems.append(f"{where}: {message}")
+        param = next((str(err["loc"][0]) for err in e.errors() if err["loc"]), None)
+        raise APIError(400, "; ".join(problems), param) from None
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+@dataclass
+class Reply:
+    """Builds the response objects of one request, for either endpoint, so that the
+    handlers share one streaming and one non-streaming path."""
+
+    chat: bool
+    id: str
+    model: str
+    return_token_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        *,
+        stream: bool,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            out["text"] = text
+        elif stream:
+            out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            out["message"] = {"role": "assistant", "content": text}
+        out["logprobs"] = None
+        out["finish_reason"] = finish_reason
+        if self.return_token_ids:
+            out["token_ids"] = token_ids
+        return out
+
+    def body(
+        self, choices: list[dict[str, Any]], *, stream: bool, usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if stream else "chat.completion"
+        out = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out

@@ -1,0 +1,436 @@
+"""`extkv serve` end to end on the CPU: real servers on loopback, real HTTP, the official
+openai client. Tokens equal `LLM.generate`; 100 concurrent streams come back whole and
+unmixed; a client that leaves frees its blocks; a full server answers 429, a wrong key
+401, and malformed requests a clear 4xx while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from extkv import LLM, SamplingParams
+from extkv.cli import main
+from extkv.demo import make_random_checkpoint
+from extkv.engine.config import EngineConfig
+from extkv.serving import ServerSettings, build_app
+
+MODEL = "tiny"
+KEY = "test-key"
+MAX_MODEL_LEN = 1024
+ENGINE = dict(
+    cpu_memory_budget_bytes=256 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512
+)
+ENGINE_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()] + ["--device=cpu"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPT = [5, 6, 7, 8, 9, 100, 200]
+GREEDY = dict(temperature=0, max_tokens=16)
+NO_EOS = {"ignore_eos": True, "return_token_ids": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`extkv serve` in a subprocess on a free loopback port; its log goes to a file."""
+
+    def __init__(self, checkpoint: Path, log: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-m", "extkv.cli", "serve", f"--model={checkpoint}"]
+        command += [f"--port={self.port}", f"--served-model-name={MODEL}", *ENGINE_FLAGS, *flags]
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"server exited:\n{self.log.read_text()}"
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self, api_key: str = "none", **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample, keyed by name plus labels (e.g. `x_total{reason=abort}`)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return samples
+
+    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
+        """Metrics once no request holds blocks (the last step's gauges may lag a little)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["extkv_requests_running"] == m["extkv_requests_waiting"] == 0
+            if (idle and m["extkv_kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(with a chat template, without one): the same random model twice."""
+    bare = make_random_checkpoint(tmp_path_factory.mktemp("bare"))
+    chat = Path(shutil.copytree(bare, tmp_path_factory.mktemp("chat") / "model"))
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    return chat, bare
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The open server, and a guarded one (API key, one request at a time, no chat
+    template), started together."""
+    logs = tmp_path_factory.mktemp("logs")
+    chat, bare = checkpoints
+    both = (
+        Server(chat, logs / "open.log", "--max-request-bytes=65536"),
+        Server(bare, logs / "guarded.log", f"--api-key={KEY}", "--max-pending-requests=1"),
+    )
+    try:
+        for server in both:
+            server.wait_ready()
+        yield both
+    finally:
+        for server in both:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def guarded(servers: tuple[Server, Server]) -> Server:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: tuple[Path, Path]) -> LLM:
+    """The same engine in-process: what the server's tokens must equal."""
+    return LLM(checkpoints[0], device="cpu", **ENGINE)
+
+
+def expected(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs]
+
+
+def test_completion_matches_generate(server: Server, reference: LLM) -> None:
+    client = server.client()
+    want = expected(reference, [PROMPT], [SamplingParams(**GREEDY, ignore_eos=True)])[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, **GREEDY, extra_body=NO_EOS)
+    choice = got.choices[0]
+    assert choice.token_ids == want.token_ids and choice.text == want.text
+    assert choice.finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), 16)
+
+    text = "Once upon a time"
+    want = reference.generate([text], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=MODEL, prompt=text, **GREEDY)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+
+
+def test_chat_completion_matches_generate(server: Server, reference: LLM) -> None:
+    messages = [
+        {"role": "system", "content": "You are tiny."},
+        {"role": "user", "content": "Tell me about the KV cache."},
+    ]
+    tokenizer = reference.get_tokenizer()  # the checkpoint's template, as the server's
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    want = expected(reference, [prompt], [SamplingParams(**GREEDY, ignore_eos=True)])[0]
+    got = server.client().chat.completions.create(
+        model=MODEL, messages=messages, **GREEDY, extra_body=NO_EOS
+    )
+    choice = got.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want.text
+    assert choice.token_ids == want.token_ids
+    assert got.usage.prompt_tokens == len(prompt)
+
+
+STREAM = dict(**GREEDY, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)
+
+
+def check_stream(chunks: list, texts: list[str], text: str, token_ids: list[int]) -> None:
+    """One chunk per token that add up to the answer, then the usage chunk."""
+    assert len(texts) == 16 and "".join(texts) == text
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streaming_matches_generate(server: Server, reference: LLM) -> None:
+    want = expected(reference, [PROMPT], [SamplingParams(**GREEDY, ignore_eos=True)])[0]
+    chunks = list(server.client().completions.create(model=MODEL, prompt=PROMPT, **STREAM))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    check_stream(chunks, texts, want.text, want.token_ids)
+
+
+def test_chat_streaming_matches_non_streaming(server: Server) -> None:
+    create = server.client().chat.completions.create
+    messages = [{"role": "user", "content": "Stream, please."}]
+    whole = create(model=MODEL, messages=messages, **GREEDY, extra_body=NO_EOS).choices[0]
+    chunks = list(create(model=MODEL, messages=messages, **STREAM))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content for c in chunks if c.choices]
+    check_stream(chunks, texts, whole.message.content, whole.token_ids)
+
+
+def test_stop_strings_and_stop_token_ids(server: Server, reference: LLM) -> None:
+    client = server.client()
+    params = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=40)
+    full = expected(reference, [PROMPT], [SamplingParams(temperature=0, max_tokens=40)])[0]
+    stop = full.text[12:15]
+    cut = full.text[: full.text.index(stop)]
+    whole = client.completions.create(**params, stop=[stop, "never-there"])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(**params, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut  # nothing of `stop` leaks
+
+    token = full.token_ids[5]
+    cut_ids = full.token_ids[: full.token_ids.index(token) + 1]
+    stopped = client.completions.create(
+        **params, extra_body={"stop_token_ids": [token], "return_token_ids": True}
+    )
+    assert stopped.choices[0].token_ids == cut_ids
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_matches_generate(server: Server, reference: LLM) -> None:
+    sampling = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=24)
+    want = expected(reference, [PROMPT], [SamplingParams(**sampling, top_k=50)])[0]
+    got = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, **sampling, extra_body={"top_k": 50, "return_token_ids": True}
+    )
+    assert got.choices[0].token_ids == want.token_ids
+
+
+def test_100_concurrent_streams(server: Server, reference: LLM) -> None:
+    prompts = [[(7 * i + j) % 380 + 3 for j in range(1 + i % 37)] for i in range(100)]
+    lengths = [1 + i % 8 for i in range(100)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [o.token_ids for o in expected(reference, prompts, params)]
+    before = server.metrics()
+
+    async def stream(client: openai.AsyncOpenAI, prompt: list[int], n: int) -> list[int]:
+        chunks = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True, extra_body=NO_EOS
+        )
+        return [t async for c in chunks for t in c.choices[0].token_ids]
+
+    async def run() -> list[list[int]]:
+        url = f"{server.url}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*map(stream, [client] * 100, prompts, lengths))
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == want
+    after = server.wait_idle()
+    assert after["extkv_kv_cache_blocks_used"] == 0
+    assert after["extkv_requests_running"] == after["extkv_requests_waiting"] == 0
+    assert after["extkv_kv_cache_blocks"] > 0
+    generated = after["extkv_generation_tokens_total"] - before["extkv_generation_tokens_total"]
+    assert generated == sum(lengths)
+    ttft = "extkv_time_to_first_token_seconds_count"
+    assert after[ttft] - before[ttft] == 100
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_blocks(server: Server, stream: bool) -> None:
+    aborts = "extkv_requests_finished_total{reason=abort}"
+    before = server.metrics().get(aborts, 0)
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=1000, ignore_eos=True, stream=stream)
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # it is generating; now leave
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.2)
+    after = server.wait_idle()
+    assert after.get(aborts, 0) == before + 1
+    assert after["extkv_kv_cache_blocks_used"] == 0
+
+
+def test_full_server_answers_429(guarded: Server) -> None:
+    client = guarded.client(KEY)
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=1000, extra_body={"ignore_eos": True})
+    with client.completions.create(**body, stream=True) as first:
+        next(iter(first))  # admitted and generating: the one slot is taken
+        with pytest.raises(openai.RateLimitError, match="max-pending-requests=1"):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    deadline = time.monotonic() + 10  # the slot comes back once the abort is through
+    while True:
+        try:
+            assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_api_key(guarded: Server) -> None:
+    for key in ("none", "wrong-key"):
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            guarded.client(key).models.list()
+    assert httpx.get(f"{guarded.url}/v1/models").status_code == 401  # no header at all
+    assert [m.id for m in guarded.client(KEY).models.list()] == [MODEL]
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{guarded.url}/metrics").status_code == 200
+
+
+def test_chat_without_template_is_400(guarded: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        guarded.client(KEY).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def test_engine_failure_is_503_not_a_hang(checkpoints: tuple[Path, Path]) -> None:
+    """A step that raises fails its requests and every later one; /health says so."""
+    llm = LLM(checkpoints[1], device="cpu", **ENGINE)
+
+    def broken_step() -> list:
+        raise RuntimeError("boom")
+
+    llm.engine.step = broken_step
+    app = build_app(
+        llm.engine, ServerSettings(MODEL, max_pending_requests=8, max_request_bytes=1024)
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        body = {"model": MODEL, "prompt": [1, 2, 3]}
+        for stream in (False, True, False):
+            response = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream})
+            assert response.status_code == 503 and "boom" in response.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def _completion(**changes: object) -> dict[str, object]:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    body.update(changes)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _chat(**changes: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **changes}
+
+
+CHAT = "/v1/chat/completions"
+BAD_REQUESTS = [
+    # (path, JSON body or raw bytes, status, words the message must hold)
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "object"),
+    ("/v1/completions", b"", 400, "JSON"),
+    ("/v1/completions", _completion(prompt=None), 400, "prompt: Field required"),
+    ("/v1/completions", _completion(model="gpt-9"), 404, "'gpt-9' does not exist"),
+    ("/v1/completions", _completion(temperature=-1), 400, "temperature"),
+    ("/v1/completions", _completion(temperature="hot"), 400, "temperature"),
+    ("/v1/completions", _completion(top_p=0), 400, "top_p"),
+    ("/v1/completions", _completion(top_k=0), 400, "top_k must be -1"),
+    ("/v1/completions", _completion(max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=MAX_MODEL_LEN), 400, "max_tokens=1024"),
+    ("/v1/completions", _completion(prompt=[1] * MAX_MODEL_LEN), 400, "max_model_len=1024"),
+    ("/v1/completions", _completion(prompt=[999_999]), 400, "vocabulary"),
+    ("/v1/completions", _completion(prompt=""), 400, "empty"),
+    ("/v1/completions", _completion(prompt=["a", "b"]), 400, "list of token ids"),
+    ("/v1/completions", _completion(prompt=[1, True]), 400, "list of token ids"),
+    ("/v1/completions", _completion(n=2), 400, "n: Input should be 1"),
+    ("/v1/completions", _completion(logprobs=5), 400, "logprobs: unknown field"),
+    ("/v1/completions", _completion(stream="yes"), 400, "stream"),
+    ("/v1/completions", _completion(stop=5), 400, "stop: must be"),
+    ("/v1/completions", _completion(stop=[""]), 400, "stop: must be"),
+    ("/v1/completions", _completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("/v1/completions", _completion(seed=1.5), 400, "seed"),
+    ("/v1/completions", _completion(prompt="x" * 70_000), 413, "bytes"),
+    (CHAT, _chat(messages=[]), 400, "messages"),
+    (CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
+    (CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "content: must be"),
+    (CHAT, _chat(messages=[{"role": "user"}]), 400, "content: Field required"),
+    ("/v1/nothing", _completion(), 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), BAD_REQUESTS)
+def test_bad_request_gets_clear_4xx(
+    server: Server, path: str, body: dict | bytes, status: int, words: str
+) -> None:
+    if isinstance(body, bytes):
+        response = httpx.post(server.url + path, content=body)
+    else:
+        response = httpx.post(server.url + path, json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/models").status_code == 200  # still serving
+
+
+def test_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for field in EngineConfig.__dataclass_fields__:
+        if field != "model":
+            assert f"--{field.replace('_', '-')}" in text
+    assert "(default: 16)" in text  # --block-size
+
+
+def test_bench_reports_throughput(checkpoints: tuple[Path, Path], capsys) -> None:
+    flags = [f"--model={checkpoints[1]}", "--num-prompts=4", "--input-len=8", "--max-tokens=4"]
+    assert main(["bench", *flags, *ENGINE_FLAGS]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["output_tokens"] == 16 and result["output_tokens_per_s"] > 0
