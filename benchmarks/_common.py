@@ -56,3 +56,46 @@ def timed(fn) -> tuple[float, object]:
     result = fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start, result
+
+
+def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def _throughput(run, batch: int, output_len: int) -> tuple[float, float]:
+    """(end-to-end output tokens/s, decode-only tokens/s): a full run against a
+    one-token run of the same prompts, so the prefill drops out of the second."""
+    run(2)  # warm-up
+    t_one, _ = timed(lambda: run(1))
+    t_all, _ = timed(lambda: run(output_len))
+    return batch * output_len / t_all, batch * (output_len - 1) / (t_all - t_one)
+
+
+def decode_throughput(llm, batch: int, vocab: int, prompt_len: int, output_len: int):
+    from extkv import SamplingParams
+
+    ids = random_prompts(batch, vocab, prompt_len)
+
+    def run(n: int):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+
+    return _throughput(run, batch, output_len)
+
+
+def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_len: int):
+    ids = torch.tensor(random_prompts(batch, vocab, prompt_len), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def run(n: int):
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    return _throughput(run, batch, output_len)

@@ -17,43 +17,10 @@ import logging
 import torch
 import transformers
 
-from _common import device_bandwidth, qwen3_0_6b_checkpoint, timed
-from extkv import LLM, SamplingParams
+from _common import decode_throughput, device_bandwidth, hf_decode_throughput, qwen3_0_6b_checkpoint
+from extkv import LLM
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
-
-
-def prompts(batch: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(batch)
-    return torch.randint(1, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
-
-
-def extkv_decode(llm: LLM, batch: int, vocab: int) -> tuple[float, float]:
-    """(end-to-end output tokens/s, decode tokens/s)"""
-    ids = prompts(batch, vocab)
-
-    def run(n: int):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
-
-    run(2)  # warm-up
-    t_one, _ = timed(lambda: run(1))
-    t_all, _ = timed(lambda: run(OUTPUT_LEN))
-    return batch * OUTPUT_LEN / t_all, batch * (OUTPUT_LEN - 1) / (t_all - t_one)
-
-
-def hf_decode(model, batch: int, vocab: int) -> tuple[float, float]:
-    ids = torch.tensor(prompts(batch, vocab), device="cuda")
-
-    def run(n: int):
-        return model.generate(
-            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-        )
-
-    run(2)
-    t_one, _ = timed(lambda: run(1))
-    t_all, _ = timed(lambda: run(OUTPUT_LEN))
-    return batch * OUTPUT_LEN / t_all, batch * (OUTPUT_LEN - 1) / (t_all - t_one)
 
 
 def roofline_tokens_per_s(batch: int, weights: int, kv_per_token: int, bandwidth: float) -> float:
@@ -91,7 +58,7 @@ def main() -> None:
     for batch in args.batch_sizes:
         for _ in range(2):
             for name, llm in engines.items():
-                e2e, decode = extkv_decode(llm, batch, vocab)
+                e2e, decode = decode_throughput(llm, batch, vocab, PROMPT_LEN, OUTPUT_LEN)
                 row = rows[batch]
                 row[f"{name}_tok_s"] = max(row.get(f"{name}_tok_s", 0.0), e2e)
                 row[f"{name}_decode_tok_s"] = max(row.get(f"{name}_decode_tok_s", 0.0), decode)
@@ -100,7 +67,7 @@ def main() -> None:
     del engines
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     for batch in args.batch_sizes:
-        e2e, decode = hf_decode(model, batch, vocab)
+        e2e, decode = hf_decode_throughput(model, batch, vocab, PROMPT_LEN, OUTPUT_LEN)
         rows[batch]["hf_tok_s"] = e2e
         rows[batch]["hf_decode_tok_s"] = decode
         rows[batch]["roofline_tok_s"] = roofline_tokens_per_s(

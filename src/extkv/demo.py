@@ -23,6 +23,46 @@ Continuous batching lets new requests join while others are still decoding.
 The quick brown fox jumps over the lazy dog. Once upon a time there was a model.
 Numbers like 1, 2, 3, 42 and 2026 appear in text, as do questions? And answers!
 """
+# architecture -> (transformers config class, model class, tiny defaults of its own)
+_ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+        ),
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4, chunk_size=16),
+    ),
+}
+# A hybrid of roughly Bamba's layer mix at GPU-benchmark size (random weights).
+BAMBA_BENCH_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=16,
+    attn_layer_indices=[3, 8, 13],
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    mamba_n_heads=32,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_n_groups=1,
+    mamba_chunk_size=256,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+)
 # The shape of Qwen3-0.6B, for GPU tests and benchmarks (random weights, no download).
 QWEN3_0_6B_SHAPE = dict(
     vocab_size=151936,
@@ -69,8 +109,8 @@ def make_random_checkpoint(
     dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> Path:
-    """Write a random `Qwen3ForCausalLM` or `LlamaForCausalLM` checkpoint: tiny by
-    default, any shape through `config_overrides` (e.g. QWEN3_0_6B_SHAPE)."""
+    """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default, any
+    shape through `config_overrides` (e.g. QWEN3_0_6B_SHAPE)."""
     import transformers
 
     folder = Path(folder)
@@ -91,15 +131,13 @@ def make_random_checkpoint(
         # instead of repeating one token: tests then notice a wrong step.
         initializer_range=0.3,
     )
-    common.update(config_overrides)
-    if architecture == "qwen3":
-        config = transformers.Qwen3Config(**{"head_dim": 32, **common})
-        model_class = transformers.Qwen3ForCausalLM
-    elif architecture == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_class = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(f"architecture must be 'qwen3' or 'llama'; got {architecture!r}")
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(
+            f"architecture must be one of {sorted(_ARCHITECTURES)}; got {architecture!r}"
+        )
+    config_name, model_name, defaults = _ARCHITECTURES[architecture]
+    config = getattr(transformers, config_name)(**{**common, **defaults, **config_overrides})
+    model_class = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = model_class(config).to(dtype).eval()
     model.save_pretrained(folder)

@@ -1,0 +1,94 @@
+"""Mamba2 and the Bamba hybrid on CUDA: bf16, CUDA graphs on, extensible equals legacy
+exactly, and greedy follows transformers up to logit ties."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from extkv import LLM, SamplingParams
+from extkv.demo import make_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {
+    "bamba": dict(num_hidden_layers=6, attn_layer_indices=[1, 4], initializer_range=0.1),
+    "mamba2": dict(num_hidden_layers=4, initializer_range=0.1),
+}
+VOCAB = 2048
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family = request.param
+    folder = tmp_path_factory.mktemp(family)
+    return make_random_checkpoint(
+        folder,
+        family,
+        with_tokenizer=False,
+        dtype=torch.bfloat16,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        **SHAPES[family],
+    )
+
+
+def prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(1, VOCAB, (int(k),), generator=gen).tolist() for k in range(5, 5 + 9 * n, 9)
+    ]
+
+
+def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_extensible_equals_legacy_with_cuda_graphs(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = prompts(12)
+    options = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
+    legacy = LLM(checkpoint, **options)
+    assert legacy.engine.runner.graphs is not None and legacy.engine.runner.graphs.graphs
+    expected = run(legacy, ids, 24)
+    legacy.close()
+    with caplog.at_level(logging.INFO, logger="extkv"):
+        extensible = LLM(checkpoint, enable_extensible_kv_cache=True, **options)
+    report = extensible.memory_report()
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"Extended KV cache to {report['num_blocks']} blocks." in messages
+    assert report["kv_bytes_by_kind"] and report["graph_pool_bytes"] > 0
+    assert run(extensible, ids, 24) == expected
+    extensible.close()
+
+
+def test_greedy_follows_transformers_in_bf16(checkpoint: Path) -> None:
+    ids = prompts(6)
+    llm = LLM(checkpoint, max_model_len=512, max_num_seqs=8)
+    ours = run(llm, ids, 12)
+    llm.close()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None
+    for prompt, tokens in zip(ids, ours, strict=True):
+        hf = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        if hf == tokens:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(hf, tokens, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
+        gap = (logits[hf[i]] - logits[tokens[i]]).abs().item()
+        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
