@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--sizes-gib", type=int, nargs="+", default=[1, 16, 100])
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
-    ExtensibleTensor(0, "cuda").free()  # driver and context warm-up
+    ExtensibleTensor(1, "cuda").free()  # driver and context warm-up
     torch.empty(1, device="cuda").zero_()
     rows = []
     for gib in args.sizes_gib:

@@ -3,8 +3,10 @@ extensible, preemption and chunked prefill change nothing, bad input is refused.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +51,7 @@ def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
+NO_EOS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.parametrize("backend", ["split", "block_major"])
@@ -120,26 +123,35 @@ def test_chunked_prefill_keeps_outputs(qwen3: Path) -> None:
     assert extkv_tokens(chunked, prompts, params) == expected
 
 
-def test_eos_stops_and_text_is_decoded(qwen3: Path) -> None:
-    llm = LLM(qwen3, **SMALL)
-    out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8))[0]
-    completion = out.outputs[0]
-    assert completion.finish_reason in ("stop", "length")
-    assert completion.text == llm.get_tokenizer().decode(
-        completion.token_ids, skip_special_tokens=True
-    )
-    if completion.finish_reason == "stop":
-        assert completion.token_ids[-1] == 0
-    stopped = llm.generate(
-        prompt_token_ids=[PROMPTS[0]],
-        sampling_params=SamplingParams(
-            temperature=0,
-            max_tokens=24,
-            stop_token_ids=[extkv_tokens(llm, [PROMPTS[0]], GREEDY)[0][3]],
-        ),
+def test_eos_stops_and_text_is_decoded(qwen3: Path, tmp_path: Path) -> None:
+    """Make the 4th greedy token of a prompt the checkpoint's EOS: generation stops there
+    unless ignore_eos; stop_token_ids do the same per request."""
+    prompt = PROMPTS[0]
+    free_run = extkv_tokens(LLM(qwen3, **SMALL), [prompt], NO_EOS)[0]
+    eos = free_run[3]
+    assert eos not in free_run[:3]
+    folder = tmp_path / "eos"
+    shutil.copytree(qwen3, folder)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = eos
+        (folder / name).write_text(json.dumps(config))
+    llm = LLM(folder, **SMALL)
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=0, max_tokens=24),
         use_tqdm=False,
     )[0].outputs[0]
-    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 4
+    assert (out.token_ids, out.finish_reason) == (free_run[:4], "stop")
+    assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+    assert extkv_tokens(llm, [prompt], NO_EOS)[0] == free_run
+    i = next(i for i in range(4, 24) if free_run[i] not in free_run[:i])
+    by_request = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free_run[i]])
+    stopped = LLM(qwen3, **SMALL).generate(
+        prompt_token_ids=[prompt], sampling_params=by_request, use_tqdm=False
+    )
+    assert stopped[0].outputs[0].token_ids == free_run[: i + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
 
 
 def test_seeded_sampling_is_reproducible(qwen3: Path) -> None:
@@ -171,6 +183,8 @@ def test_top_k_one_is_greedy(qwen3: Path) -> None:
         ({"top_k": 0}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed must be an int in"),
+        ({"seed": -1}, "seed must be an int in"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
@@ -233,6 +247,8 @@ def test_bad_prompts(qwen3: Path) -> None:
         llm.generate(use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params has 2 entries"):
         llm.generate(prompt_token_ids=[[1]], sampling_params=[GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):  # the good first prompt is not kept
+        llm.generate(prompt_token_ids=[[1, 2, 3], []], use_tqdm=False)
     # Nothing was queued by the failed calls: the engine still serves.
     assert not llm.engine.has_unfinished_requests()
     assert len(extkv_tokens(llm, [[1, 2]], GREEDY)[0]) > 0

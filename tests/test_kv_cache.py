@@ -30,7 +30,7 @@ from extkv.kv_cache import (
     layer_segments,
     make_kv_cache_config,
 )
-from extkv.vmm import ExtensibleTensor, HostBackend
+from extkv.vmm import HostBackend, allocation_granularity
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 MiB = 1 << 20
@@ -43,7 +43,7 @@ HEADS_OUTER = AttentionLayout("heads_outer", ("kv", "heads", "blocks", "block_si
 
 
 def granule(device: str) -> int:
-    return ExtensibleTensor(0, device).capacity_bytes
+    return allocation_granularity(device)
 
 
 def fill_(tensor: torch.Tensor) -> torch.Tensor:

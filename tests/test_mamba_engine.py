@@ -102,3 +102,9 @@ def test_hybrid_shares_pages_and_extends(bamba: Path, caplog: pytest.LogCaptureF
     assert report["block_size"] == llm.engine.config.block_size > 16
     cache = llm.engine.kv_cache
     assert all(b.memory.num_segments == 1 for b in cache._buffers)
+
+
+def test_hybrid_with_more_attention_than_mamba_layers_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=[0, 1, 3, 4])
+    with pytest.raises(ValueError, match=r"more attention layers \(4\) than Mamba layers \(1\)"):
+        LLM(tmp_path, **OPTIONS)

@@ -173,6 +173,15 @@ def test_completion_matches_generate(server: Server, reference: LLM) -> None:
     assert got.choices[0].finish_reason == want.finish_reason
 
 
+def test_default_max_tokens_fits_the_room_left(server: Server) -> None:
+    """No max_tokens given: OpenAI's 16, cut to what max_model_len leaves after the prompt."""
+    client = server.client()
+    prompt = [5] * (MAX_MODEL_LEN - 4)
+    got = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=NO_EOS)
+    assert got.usage.completion_tokens == 4
+    assert got.choices[0].finish_reason == "length"
+
+
 def test_chat_completion_matches_generate(server: Server, reference: LLM) -> None:
     messages = [
         {"role": "system", "content": "You are tiny."},

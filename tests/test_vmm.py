@@ -14,14 +14,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from extkv import ExtensibleTensor
-from extkv.vmm import HostBackend, VirtualMemoryOutOfMemory, free_physical_bytes
+from extkv.vmm import (
+    HostBackend,
+    VirtualMemoryOutOfMemory,
+    allocation_granularity,
+    free_physical_bytes,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 MiB = 1 << 20
 
 
 def granule(device: str) -> int:
-    return ExtensibleTensor(0, device).capacity_bytes
+    return allocation_granularity(device)
 
 
 def random_bytes(n: int, device: str | torch.device) -> torch.Tensor:
@@ -351,3 +356,30 @@ def test_cuda_free_physical_bytes_matches_torch() -> None:
     ours = free_physical_bytes("cuda")
     assert ours is not None
     assert abs(ours - torch.cuda.mem_get_info()[0]) <= 64 * MiB
+
+
+def test_zero_byte_buffer_reserves_nothing() -> None:
+    buf = ExtensibleTensor(0, "cpu")
+    assert buf.capacity_bytes == 0 and buf.full_view().numel() == 0
+    assert buf.resize_(0).numel() == 0
+    with pytest.raises(ValueError, match="exceeds the segment capacity"):
+        buf.resize_(1)
+    buf.free()
+    buf.free()
+    assert allocation_granularity("cpu") == 2 * MiB
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", [0, "cuda", "cuda:0", torch.device("cuda"), None])
+def test_cuda_device_spellings(device: object) -> None:
+    buf = ExtensibleTensor(4 * MiB, device)
+    assert buf.device == torch.device("cuda", 0)
+    buf.resize_(1).fill_(3)
+    assert buf.tensor.item() == 3
+    buf.free()
+
+
+@pytest.mark.gpu
+def test_backend_and_device_must_agree() -> None:
+    with pytest.raises(ValueError, match="disagrees with the backend"):
+        ExtensibleTensor(4 * MiB, "cuda", backend=HostBackend())

@@ -184,10 +184,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     """Virtual-memory facts of this machine: granularity, and a reserve/commit round trip."""
     from extkv import ExtensibleTensor
+    from extkv.vmm import allocation_granularity
 
-    probe = ExtensibleTensor(0, args.device)  # reserves exactly one granule
-    granularity = probe.capacity_bytes
-    probe.free()
+    granularity = allocation_granularity(args.device)
     buf = ExtensibleTensor(args.reserve_gib << 30, args.device)
     buf.resize_(min(64 << 20, buf.capacity_bytes)).fill_(1)
     facts = {

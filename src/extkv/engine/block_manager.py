@@ -35,10 +35,6 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 

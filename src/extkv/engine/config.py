@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from extkv.vmm import resolve_device
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -109,25 +111,10 @@ def _check_int(name: str, value: object, minimum: int, optional: bool = False) -
 
 
 def _resolve_engine_device(device: object) -> torch.device:
-    """None picks CUDA when there is one; otherwise "cpu", "cuda", "cuda:N" or an index."""
+    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    choices = '"cpu", "cuda", "cuda:N", an int N >= 0 or None'
-    if isinstance(device, bool):
-        raise ValueError(f"device must be {choices}; got {device!r}")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be {choices}; got {device!r}") from e
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be {choices}; got {device!r}")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} asks for CUDA, but no CUDA device is available")
-        resolved = torch.device("cuda", resolved.index or 0)
-        if resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {resolved} does not exist")
-    return resolved
+    return resolve_device(device)
 
 
 def _resolve_dtype(dtype: object, device: torch.device) -> torch.dtype:

@@ -93,9 +93,14 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(requests)} prompts"
                 )
         engine = self.engine
-        order = {}
-        for (text, ids), p in zip(requests, params, strict=True):
-            order[engine.add_request(ids, p, prompt=text)] = len(order)
+        order: dict[str, int] = {}
+        try:
+            for (text, ids), p in zip(requests, params, strict=True):
+                order[engine.add_request(ids, p, prompt=text)] = len(order)
+        except Exception:
+            for request_id in order:  # all or nothing: a bad prompt queues none
+                engine.abort_request(request_id)
+            raise
         results: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():

@@ -44,6 +44,12 @@ class ModelRunner:
         # Hybrid models cut their Mamba layers into groups; each group keeps its own
         # state block per sequence (see extkv.kv_cache.config).
         groups = make_kv_cache_config(self.kv_cache_groups(), 1).groups
+        if sum(g.spec.kind == "attention" for g in groups) > 1:
+            raise ValueError(
+                f"hybrid models with more attention layers ({len(self.attention_layers)}) than "
+                f"Mamba layers ({len(self.mixers)}) are not supported: their attention layers "
+                "would need one block table each"
+            )
         state_groups = [g.layer_names for g in groups if g.spec.kind == "mamba"]
         for index, names in enumerate(state_groups):
             for name in names:

@@ -26,8 +26,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
         stops = self.stop_token_ids or []
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")

@@ -122,8 +122,8 @@ class Scheduler:
         """Record a step's results; return the sequences it finished."""
         finished = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted within this very step
+            # Preemption takes victims from the tail, never one already in the batch.
+            assert seq.status == SequenceStatus.RUNNING
             seq.num_computed_tokens += n
             token = sampled.get(seq)
             if token is None:

@@ -58,7 +58,3 @@ class Sequence:
         if not self.block_table:
             return -1
         return self.block_table[position // block_size] * block_size + position % block_size
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED

@@ -34,7 +34,7 @@ from extkv.kv_cache import (
     hybrid_layout,
     make_kv_cache_config,
 )
-from extkv.vmm import ExtensibleTensor, VirtualMemoryError
+from extkv.vmm import VirtualMemoryError, allocation_granularity
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def use_extensible(config: EngineConfig) -> bool:
     if config.enable_extensible_kv_cache == "auto" and config.kv_cache_memory_bytes is not None:
         return False
     try:
-        ExtensibleTensor(0, config.device).free()
+        allocation_granularity(config.device)  # builds the backend: fails without VMM
     except VirtualMemoryError as e:
         if config.enable_extensible_kv_cache is True:
             raise RuntimeError(

@@ -23,6 +23,7 @@ from extkv.kv_cache.specs import KVCacheSpec, MambaSpec
 from extkv.vmm import (
     ExtensibleTensor,
     VirtualMemoryOutOfMemory,
+    allocation_granularity,
     free_physical_bytes,
     resolve_device,
 )
@@ -286,10 +287,7 @@ class KVCache:
 
     @functools.cached_property
     def _granularity(self) -> int:
-        """Read off an empty reservation, which is rounded up to one granule."""
-        empty = ExtensibleTensor(0, self._device, backend=self._backend)
-        empty.free()
-        return empty.capacity_bytes
+        return allocation_granularity(self._device, self._backend)
 
     def _fits(self, num_blocks: int) -> bool:
         """Whether the memory growing to `num_blocks` needs can be committed right now."""

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -124,7 +124,10 @@ class _Server:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = self._require_tokenizer("prompt").encode(prompt)
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # OpenAI's default, cut to the room the prompt leaves
+            room = self.max_model_len - len(prompt)
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
         return await self._generate(request, body, prompt, max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -289,7 +292,7 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _sse(
-    reply: Reply, delta: Delta, rest: AsyncIterator[Delta], include_usage: bool
+    reply: Reply, delta: Delta, rest: AsyncGenerator[Delta, None], include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events: a chunk per delta, the usage if asked, then [DONE]."""
     first = True
@@ -305,6 +308,8 @@ async def _sse(
     except EngineDeadError as e:
         yield _event(APIError(503, str(e)).body())
         return
+    finally:
+        await rest.aclose()  # a client gone mid-stream: abort and free its blocks now
     if include_usage:
         counts = usage(delta.num_prompt_tokens, delta.num_output_tokens)
         yield _event(reply.body([], stream=True, usage=counts))

@@ -9,6 +9,7 @@ current context.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from cuda.bindings import driver as cu
 
 from extkv.vmm.backend import VirtualMemoryError, VirtualMemoryOutOfMemory
+
+logger = logging.getLogger(__name__)
 
 
 def _error_text(err: cu.CUresult) -> str:
@@ -34,6 +37,12 @@ def _check(result: tuple[Any, ...], call: str) -> Any:
     if err != cu.CUresult.CUDA_SUCCESS:
         raise VirtualMemoryError(f"{call} failed: {_error_text(err)}")
     return values[0] if len(values) == 1 else tuple(values) or None
+
+
+def _check_in_cleanup(result: tuple[Any, ...], call: str) -> None:
+    """Undoing a failed map: report a second failure, but let the first one propagate."""
+    if result[0] != cu.CUresult.CUDA_SUCCESS:
+        logger.error("%s failed while undoing a failed map: %s", call, _error_text(result[0]))
 
 
 class _DeviceArray:
@@ -110,10 +119,10 @@ class CudaBackend:
                 try:
                     _check(cu.cuMemSetAccess(address, size, [self._access], 1), "cuMemSetAccess")
                 except BaseException:
-                    cu.cuMemUnmap(address, size)
+                    _check_in_cleanup(cu.cuMemUnmap(address, size), "cuMemUnmap")
                     raise
             except BaseException:
-                cu.cuMemRelease(handle)
+                _check_in_cleanup(cu.cuMemRelease(handle), "cuMemRelease")
                 raise
         return handle
 

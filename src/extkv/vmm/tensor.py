@@ -31,11 +31,16 @@ def resolve_device(device: DeviceLike) -> torch.device:
         if isinstance(device, int) and device < 0:
             raise ValueError(f"device must be {_DEVICE_CHOICES}; got {device!r}")
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise ValueError(
                 f"device={device!r} asks for CUDA, but no CUDA device is available; "
                 'use device="cpu" for the host backend'
             )
-        return torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        index = torch.cuda.current_device() if device is None else device
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device cuda:{index} does not exist ({torch.cuda.device_count()} CUDA devices)"
+            )
+        return torch.device("cuda", index)
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -44,8 +49,6 @@ def resolve_device(device: DeviceLike) -> torch.device:
         return torch.device("cpu")
     if resolved.type != "cuda":
         raise ValueError(f"device must be {_DEVICE_CHOICES}; got {device!r}")
-    if resolved.index is None:
-        return resolve_device(None)
     return resolve_device(resolved.index)
 
 
@@ -53,10 +56,6 @@ def resolve_device(device: DeviceLike) -> torch.device:
 def _shared_backend(device: torch.device) -> Backend:
     if device.type == "cpu":
         return HostBackend()
-    if device.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device cuda:{device.index} does not exist ({torch.cuda.device_count()} CUDA devices)"
-        )
     from extkv.vmm.cuda import CudaBackend  # needs the CUDA driver only when asked for
 
     return CudaBackend(device.index)
@@ -65,6 +64,12 @@ def _shared_backend(device: torch.device) -> Backend:
 def free_physical_bytes(device: DeviceLike, backend: Backend | None = None) -> int | None:
     """What could be committed on `device` right now (None: unbounded host memory)."""
     return (backend or _shared_backend(resolve_device(device))).free_bytes()
+
+
+def allocation_granularity(device: DeviceLike, backend: Backend | None = None) -> int:
+    """The unit physical memory is mapped in on `device`; raises VirtualMemoryError
+    where the device has no virtual memory management."""
+    return (backend or _shared_backend(resolve_device(device))).granularity
 
 
 def _check_size(name: str, value: int) -> int:
@@ -107,8 +112,8 @@ class ExtensibleTensor:
         self._num_segments = num_segments
         self._segment_capacity = max_num_bytes // num_segments
         granularity = backend.granularity
-        self._capacity = max(-(-max_num_bytes // granularity), 1) * granularity
-        self._base = backend.reserve(self._capacity)
+        self._capacity = -(-max_num_bytes // granularity) * granularity
+        self._base = backend.reserve(self._capacity) if self._capacity else 0
         self._granules = GranuleMap(backend, self._base, self._capacity // granularity)
         self._bytes_per_segment = 0
         self._freed = False
@@ -209,10 +214,13 @@ class ExtensibleTensor:
         """Unmap and release all physical memory, then free the reservation. Idempotent."""
         if self._freed:
             return
-        self._freed = True
-        self._granules.release_all()
-        self._backend.free_reservation(self._base, self._capacity)
-        self._bytes_per_segment = 0
+        try:
+            self._granules.release_all()
+        finally:
+            if self._capacity:
+                self._backend.free_reservation(self._base, self._capacity)
+            self._freed = True
+            self._bytes_per_segment = 0
 
     def __del__(self) -> None:
         if getattr(self, "_granules", None) is not None and not self._freed:
