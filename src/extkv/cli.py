@@ -65,6 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="memory the extensible sizing keeps free (default: 256 MiB on CUDA)",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to split the model over (worker processes; one GPU each on CUDA)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -14,13 +14,24 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend
+from torch._C._distributed_c10d import Backend, Work
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed: another rank is gone, or failed itself."""
+
+
+def _run(collective: Callable[..., Work], *args: object) -> None:
+    try:
+        collective(*args).wait()
+    except RuntimeError as e:
+        raise CommunicationError(f"a tensor-parallel collective failed: {e}") from e
 
 
 @dataclass(eq=False)
@@ -35,7 +46,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         if self.size > 1:
-            self.device_group.allreduce([x]).wait()
+            _run(self.device_group.allreduce, [x])
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +54,7 @@ class TPGroup:
         if self.size == 1:
             return x
         out = x.new_empty(self.size * x.shape[0], x.shape[1])
-        self.device_group._allgather_base(out, x.contiguous()).wait()
+        _run(self.device_group._allgather_base, out, x.contiguous())
         return out.view(self.size, *x.shape).transpose(0, 1).flatten(1)
 
     def all_gather_ints(self, value: int) -> list[int]:
@@ -51,7 +62,7 @@ class TPGroup:
         if self.size == 1:
             return [value]
         out = torch.empty(self.size, dtype=torch.int64)
-        self.control_group._allgather_base(out, torch.tensor([value])).wait()
+        _run(self.control_group._allgather_base, out, torch.tensor([value]))
         return out.tolist()
 
     def broadcast_object(
@@ -75,7 +86,7 @@ class TPGroup:
         opts.rootTensor = 0
         if timeout is not None:
             opts.timeout = timeout
-        self.control_group.broadcast([t], opts).wait()
+        _run(self.control_group.broadcast, [t], opts)
 
     def abort(self) -> None:
         """Make a collective that waits on a dead rank fail instead of hanging. Gloo

@@ -42,6 +42,7 @@ class EngineConfig:
     seed: int = 0
     cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET
     kv_cache_margin_bytes: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
@@ -75,6 +76,17 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, optional=True)
         _check_int("seed", self.seed, minimum=0)
         _check_int("cpu_memory_budget_bytes", self.cpu_memory_budget_bytes, minimum=1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.device.type == "cuda" and self.tensor_parallel_size > 1:
+            first = self.device.index
+            self.device = torch.device(
+                "cuda", torch.cuda.current_device() if first is None else first
+            )
+            if self.device.index + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
+                    f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
+                )
         if self.attention_backend not in ENGINE_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ENGINE_BACKENDS}; "
@@ -100,6 +112,12 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    def for_rank(self, rank: int) -> EngineConfig:
+        """The config of tensor-parallel rank `rank`: on CUDA, the rank-th device from ours."""
+        if self.device.type != "cuda":
+            return self
+        return self.replace(device=torch.device("cuda", self.device.index + rank))
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:

@@ -9,12 +9,17 @@ staging buffer, filled on the host and sent with one copy, and the graph
 covers the forward pass, the logits and the greedy argmax. Without CUDA (or
 with `capture=False`) the same static path runs eagerly, so the CPU tests
 exercise its padding and staging logic.
+
+Under tensor parallelism the driver builds each step's `DecodeInputs` and
+sends them to every rank, which stages and replays its own graph.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,6 +27,16 @@ from extkv.attention.metadata import AttentionMetadata, set_forward_context
 from extkv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's inputs, one column per sequence, before padding: the staging
+    rows (ids, positions, slots, context lengths, then the state block of each group)
+    and the block tables cut to the longest one."""
+
+    rows: np.ndarray  # int32 (4 + num_state_groups, num_seqs)
+    tables: np.ndarray  # int32 (num_seqs, width)
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -101,7 +116,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
         """Capture largest first, so smaller graphs reuse its pool memory."""
-        self._stage([], self.batch_sizes[-1])
+        self._stage(self.inputs([]), self.batch_sizes[-1])
         if not self.capture_graphs:
             return
         pool = None
@@ -114,13 +129,11 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def _stage(self, seqs: list[Sequence], bs: int) -> None:
-        """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""
-        rows, tables = self._host_rows, self._host_tables
-        # Padding: no KV write, one token of block 0, state row -1 (never written).
-        rows[:4, :bs] = ((0,), (0,), (-1,), (1,))
-        rows[4:, :bs] = -1
-        tables[:bs] = 0
+    def inputs(self, seqs: list[Sequence]) -> DecodeInputs:
+        """The decode step of `seqs` as host arrays."""
+        width = max((len(seq.block_table) for seq in seqs), default=0)
+        rows = np.empty((self._host_rows.shape[0], len(seqs)), dtype=np.int32)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
         for i, seq in enumerate(seqs):
             position = len(seq) - 1
             rows[:4, i] = (
@@ -131,14 +144,27 @@ class DecodeGraphs:
             )
             rows[4:, i] = seq.state_blocks
             tables[i, : len(seq.block_table)] = seq.block_table
+        return DecodeInputs(rows, tables)
+
+    def _stage(self, inputs: DecodeInputs, bs: int) -> None:
+        """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""
+        rows, tables = self._host_rows, self._host_tables
+        n, width = inputs.tables.shape
+        rows[:, :n] = inputs.rows
+        # Padding: no KV write, one token of block 0, state row -1 (never written).
+        rows[:4, n:bs] = ((0,), (0,), (-1,), (1,))
+        rows[4:, n:bs] = -1
+        tables[:n, :width] = inputs.tables
+        tables[:n, width:] = 0
+        tables[n:bs] = 0
         self.staging.copy_(self.host, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for `seqs`: (float32 logits, greedy tokens), one row each."""
-        n = len(seqs)
+    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: (float32 logits, greedy tokens), one row per sequence."""
+        n = inputs.rows.shape[1]
         bs = next(s for s in self.batch_sizes if s >= n)
-        self._stage(seqs, bs)
+        self._stage(inputs, bs)
         if self.capture_graphs:
             self.graphs[bs].replay()
         else:

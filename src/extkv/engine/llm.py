@@ -20,6 +20,12 @@ class LLM:
     `LLM(path, enable_extensible_kv_cache=True)` sizes the KV cache after CUDA
     graph capture from the memory really left; the default legacy path sizes
     it before, from an estimate.
+
+    `tensor_parallel_size=N` splits the model over N ranks: this process and N - 1
+    worker processes it starts (one device each on CUDA). A script that uses it
+    needs the `if __name__ == "__main__":` guard, as every `spawn` program does;
+    under `torchrun` the ranks are torchrun's and `LLM(...)` on ranks > 0 serves
+    rank 0 until it closes, then exits.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class LLM:
         seed: int = 0,
         cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET,
         kv_cache_margin_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -59,6 +66,7 @@ class LLM:
             seed=seed,
             cpu_memory_budget_bytes=cpu_memory_budget_bytes,
             kv_cache_margin_bytes=kv_cache_margin_bytes,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
 

@@ -9,18 +9,20 @@ import itertools
 import logging
 import os
 import time
+import weakref
+from contextlib import nullcontext
 
 import torch
 
+from extkv.distributed import SINGLE
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
-from extkv.engine.model_runner import ModelRunner
 from extkv.engine.outputs import CompletionOutput, RequestOutput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
 from extkv.engine.sequence import Sequence
-from extkv.engine.startup import MemoryReport, free_memory_at_start, initialize_kv_cache
-from extkv.models import load_model, model_facts
+from extkv.engine.startup import MemoryReport, start_rank
+from extkv.engine.workers import start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +39,18 @@ def _load_tokenizer(path: str):  # -> PreTrainedTokenizerBase | None
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        torch.manual_seed(config.seed)
-        free_at_start = free_memory_at_start(config)
-        model, hf_config = load_model(config.model, config.dtype, config.device)
-        load_seconds = time.perf_counter() - start
-        facts = model_facts(hf_config, config.model)
-        config.finalize(facts.max_position_embeddings)
+        # Tensor parallel: this process is rank 0; the other ranks start first (see
+        # extkv.engine.workers) and start up alongside it.
+        self.workers = start_workers(config) if config.tensor_parallel_size > 1 else None
+        self._ranks = nullcontext if self.workers is None else self.workers.guard
+        with self._ranks():
+            group = SINGLE if self.workers is None else self.workers.group
+            self.runner, self.kv_cache, self.report, facts = start_rank(config, group)
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.stop)  # an engine dropped unclosed
         self.config = config
         self.vocab_size = facts.vocab_size
-        self.runner = ModelRunner(config, model, facts.vocab_size)
-        self.kv_cache, self.report = initialize_kv_cache(self.runner, config, free_at_start)
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, self.runner.needs)
+        self.block_manager = BlockManager(self.report.num_blocks, self.runner.needs)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -58,7 +61,6 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, tuple[Sequence, str | None]] = {}
         self._ids = itertools.count()
-        self.report.load_seconds = load_seconds
         self.report.startup_seconds = time.perf_counter() - start
         logger.info("Engine ready in %.2f s.", self.report.startup_seconds)
 
@@ -124,7 +126,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sampled = self.runner.execute(batch)
+        with self._ranks():
+            sampled = self.runner.execute(batch)
         finished = set(self.scheduler.update(batch, sampled))
         outputs = [self._output(seq, seq in finished) for seq in sampled]
         for seq in finished:
@@ -132,7 +135,10 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Give the device memory back (graphs, KV cache, weights) before the process ends."""
+        """Give the device memory back (graphs, KV cache, weights) before the process ends;
+        stop the tensor-parallel workers."""
+        if self.workers is not None:
+            self.workers.stop()
         self.runner.release()
         self.kv_cache.free()
         if self.config.device.type == "cuda":

@@ -1,19 +1,31 @@
 """Runs the model on a scheduled batch: builds the paging metadata, runs the
-forward pass (eagerly, or by replaying a decode graph) and samples."""
+forward pass (eagerly, or by replaying a decode graph) and samples.
+
+Under tensor parallelism every rank has a runner over its shard of the model;
+the driver's runner prepares each step and sends its inputs to the others, and
+only the driver samples.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import resource
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.block_manager import BlockNeeds
 from extkv.engine.config import EngineConfig
-from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
+from extkv.engine.cuda_graphs import (
+    DecodeGraphs,
+    DecodeInputs,
+    decode_batch_sizes,
+    free_device_memory,
+)
 from extkv.engine.sampler import Sampler
 from extkv.engine.scheduler import ScheduledBatch
 from extkv.engine.sequence import Sequence
@@ -29,10 +41,35 @@ from extkv.models import Mamba2Mixer
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class EagerInputs:
+    """A step's inputs as host lists, for the eager path (prefill, or decode without
+    graphs); small (ids, positions, slots, block tables), so the driver can send them
+    to every rank."""
+
+    is_prefill: bool
+    max_seqlen_q: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    cu_seqlens: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    state_indices: list[list[int]] | None = None  # per state group, per sequence
+    has_initial_state: list[bool] | None = None
+
+
+StepInputs = EagerInputs | DecodeInputs
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, vocab_size: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, vocab_size: int, tp: TPGroup = SINGLE
+    ) -> None:
         self.config = config
         self.model = model
+        self.tp = tp
         self.device: torch.device = config.device
         self.vocab_size = vocab_size
         self.attention_layers = {
@@ -202,68 +239,82 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------
 
-    def _prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
-        """Flatten the batch's new tokens; note which rows finish a sequence's context
-        (their logits are sampled)."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """The step's inputs on the host, and the sequences whose next token it samples."""
+        seqs = batch.seqs
+        graphs = self.graphs
+        if not batch.is_prefill and graphs is not None and len(seqs) <= graphs.batch_sizes[-1]:
+            return graphs.inputs(seqs), seqs
+        # Flatten the new tokens; note which rows finish a sequence's context.
         block_size = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        context_lens = []
-        sample_rows: list[int] = []
+        inputs = EagerInputs(batch.is_prefill, max(batch.num_new_tokens))
         sampled_seqs: list[Sequence] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n in zip(seqs, batch.num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.slot(p, block_size) for p in range(start, end)]
-            cu.append(cu[-1] + n)
-            context_lens.append(end)
+            inputs.input_ids += seq.token_ids[start:end]
+            inputs.positions += range(start, end)
+            inputs.slots += [seq.slot(p, block_size) for p in range(start, end)]
+            inputs.cu_seqlens.append(inputs.cu_seqlens[-1] + n)
+            inputs.context_lens.append(end)
             if end == len(seq):
-                sample_rows.append(cu[-1] - 1)
+                inputs.sample_rows.append(inputs.cu_seqlens[-1] - 1)
                 sampled_seqs.append(seq)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in batch.seqs]
+        width = max(len(seq.block_table) for seq in seqs)
+        inputs.block_tables = [
+            seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs
+        ]
+        if self.needs.num_state_groups:
+            groups = range(self.needs.num_state_groups)
+            inputs.state_indices = [[seq.state_blocks[g] for seq in seqs] for g in groups]
+            inputs.has_initial_state = [seq.num_computed_tokens > 0 for seq in seqs]
+        return inputs, sampled_seqs
+
+    def _forward_eager(self, inputs: EagerInputs) -> torch.Tensor | None:
+        """Logits of the sample rows (None: the step samples nothing)."""
         as_tensor = lambda data, dtype: torch.tensor(data, dtype=dtype).to(  # noqa: E731
             self.device, non_blocking=True
         )
         metadata = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=as_tensor(slots, torch.int64),
-            cu_seqlens_q=as_tensor(cu, torch.int32),
-            context_lens=as_tensor(context_lens, torch.int32),
-            block_tables=as_tensor(tables, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
+            is_prefill=inputs.is_prefill,
+            slot_mapping=as_tensor(inputs.slots, torch.int64),
+            cu_seqlens_q=as_tensor(inputs.cu_seqlens, torch.int32),
+            context_lens=as_tensor(inputs.context_lens, torch.int32),
+            block_tables=as_tensor(inputs.block_tables, torch.int32),
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_context_len=max(inputs.context_lens),
         )
-        if self.needs.num_state_groups:
-            groups = range(self.needs.num_state_groups)
-            indices = [[seq.state_blocks[g] for seq in batch.seqs] for g in groups]
-            metadata.state_indices = as_tensor(indices, torch.int32)
-            carry = [seq.num_computed_tokens > 0 for seq in batch.seqs]
-            metadata.has_initial_state = as_tensor(carry, torch.bool)
-        ids, pos = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)
-        return ids, pos, metadata, sample_rows, sampled_seqs
+        if inputs.state_indices is not None:
+            metadata.state_indices = as_tensor(inputs.state_indices, torch.int32)
+            metadata.has_initial_state = as_tensor(inputs.has_initial_state, torch.bool)
+        ids = as_tensor(inputs.input_ids, torch.int64)
+        with set_forward_context(metadata):
+            hidden = self.model(ids, as_tensor(inputs.positions, torch.int64))
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(
+            hidden[torch.tensor(inputs.sample_rows, device=self.device)]
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Run one step on this rank: (fp32 logits, greedy tokens if already known) of the
+        rows it samples, None when it samples none. Every rank runs every step."""
+        if isinstance(inputs, DecodeInputs):
+            return self.graphs.run(inputs)
+        logits = self._forward_eager(inputs)
+        return None if logits is None else (logits, None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run one step; return the sampled token of every sequence that produced one."""
-        seqs = batch.seqs
-        graphs = self.graphs
-        if not batch.is_prefill and graphs is not None and len(seqs) <= graphs.batch_sizes[-1]:
-            logits, greedy = graphs.run(seqs)
-            sampled_seqs = seqs
-        else:
-            input_ids, positions, metadata, sample_rows, sampled_seqs = self._prepare(batch)
-            with set_forward_context(metadata):
-                hidden = self.model(input_ids, positions)
-            if not sampled_seqs:
-                return {}
-            rows = torch.tensor(sample_rows, device=self.device)
-            logits, greedy = self.model.compute_logits(hidden[rows]), None
+        """Run one step (on every rank) and sample; return the sampled token of every
+        sequence that produced one."""
+        inputs, sampled_seqs = self._prepare(batch)
+        if self.tp.size > 1:
+            self.tp.broadcast_object(inputs)  # the workers' step (extkv.engine.workers)
+        result = self.forward(inputs)
+        if result is None:
+            return {}
+        logits, greedy = result
         params = [s.params for s in sampled_seqs]
         tokens = self.sampler(logits, params, [s.generator for s in sampled_seqs], greedy)
         return dict(zip(sampled_seqs, tokens, strict=True))

@@ -10,6 +10,11 @@ extensible  reserve address space for `available` -> commit one block per
             segment -> capture the graphs against those stable addresses ->
             measure what the capture took -> size -> extend under the same
             base pointer.
+
+Under tensor parallelism every rank runs its flow on its own device and
+measures its own graph memory; where a flow settles the block count, the ranks
+take the smallest of theirs (every rank's block tables are the driver's), and
+each extends its own cache to it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TypeVar
 
 import torch
 
+from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.model_runner import ModelRunner
@@ -34,6 +40,7 @@ from extkv.kv_cache import (
     hybrid_layout,
     make_kv_cache_config,
 )
+from extkv.models import ModelFacts, load_model, model_facts
 from extkv.vmm import VirtualMemoryError, allocation_granularity
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,7 @@ class MemoryReport:
     kv_reserved_bytes: int = 0
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
     graph_pool_bytes: int = 0
+    graph_pool_bytes_per_rank: list[int] = field(default_factory=list)
     graph_pool_estimate_bytes: int | None = None
     # Where start-up time goes: loading weights, the profiling run, the whole KV
     # setup (legacy: estimate + allocate + capture; extensible: reserve + capture
@@ -146,6 +154,44 @@ def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what
         )
 
 
+def start_rank(
+    config: EngineConfig, group: TPGroup
+) -> tuple[ModelRunner, KVCache, MemoryReport, ModelFacts]:
+    """What every rank does at start-up: load its shard of the model, then profile,
+    size and bind its KV cache (and capture its graphs)."""
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    free_at_start = free_memory_at_start(config)
+    model, hf_config = load_model(config.model, config.dtype, config.device, group)
+    load_seconds = time.perf_counter() - start
+    facts = model_facts(hf_config, config.model)
+    config.finalize(facts.max_position_embeddings)
+    runner = ModelRunner(config, model, facts.vocab_size, group)
+    cache, report = initialize_kv_cache(runner, config, free_at_start)
+    report.load_seconds = load_seconds
+    return runner, cache, report, facts
+
+
+def _smallest(runner: ModelRunner, num_blocks: int, what: str) -> int:
+    """The smallest of every rank's block count: all ranks use the driver's block tables."""
+    counts = runner.tp.all_gather_ints(num_blocks)
+    if len(counts) > 1:
+        logger.info("KV blocks %s per rank: %s; every rank uses %d.", what, counts, min(counts))
+    return min(counts)
+
+
+def _measure_graphs(runner: ModelRunner, report: MemoryReport) -> None:
+    report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
+    report.graph_pool_bytes_per_rank = runner.tp.all_gather_ints(report.graph_pool_bytes)
+    estimate = report.graph_pool_estimate_bytes
+    logger.info(
+        "CUDA graphs took %s GiB%s%s.",
+        ", ".join(f"{b / GiB:.3f}" for b in report.graph_pool_bytes_per_rank),
+        f" on ranks 0-{runner.tp.size - 1}" if runner.tp.size > 1 else "",
+        "" if estimate is None else f" (estimated {estimate / GiB:.3f} GiB)",
+    )
+
+
 def initialize_kv_cache(
     runner: ModelRunner, config: EngineConfig, free_at_start: int
 ) -> tuple[KVCache, MemoryReport]:
@@ -178,8 +224,7 @@ def initialize_kv_cache(
         report.available_bytes / GiB,
     )
     flow = _extensible_flow if report.extensible else _legacy_flow
-    cache = flow(runner, config, report)
-    report.num_blocks = cache.num_blocks
+    cache, report.num_blocks = flow(runner, config, report)
     report.capacity_blocks = cache.capacity_blocks
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
@@ -213,7 +258,9 @@ def _allocate(
     return cache
 
 
-def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport) -> KVCache:
+def _extensible_flow(
+    runner: ModelRunner, config: EngineConfig, report: MemoryReport
+) -> tuple[KVCache, int]:
     per_block = report.bytes_per_block
     capacity = max(report.available_bytes // per_block, config.num_gpu_blocks_override or 0)
     if capacity < 1:
@@ -225,8 +272,7 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
         cache.reserved_bytes / GiB,
         cache.num_blocks,
     )
-    report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
-    logger.info("CUDA graphs took %.3f GiB.", report.graph_pool_bytes / GiB)
+    _measure_graphs(runner, report)
     final_bytes = max(
         report.available_bytes
         - report.graph_pool_bytes
@@ -235,13 +281,17 @@ def _extensible_flow(runner: ModelRunner, config: EngineConfig, report: MemoryRe
         0,
     )
     num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
+    num_blocks = _smallest(runner, num_blocks, "sized after graph capture")
     _check_fits(num_blocks, runner, per_block, "sized after graph capture")
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
+    num_blocks = _smallest(runner, num_blocks, "committed")
     _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")
-    return cache
+    return cache, num_blocks
 
 
-def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport) -> KVCache:
+def _legacy_flow(
+    runner: ModelRunner, config: EngineConfig, report: MemoryReport
+) -> tuple[KVCache, int]:
     per_block = report.bytes_per_block
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
@@ -251,19 +301,14 @@ def _legacy_flow(runner: ModelRunner, config: EngineConfig, report: MemoryReport
         report.graph_pool_estimate_bytes = estimate_graph_memory(runner, config)
         kv_bytes = report.available_bytes - report.graph_pool_estimate_bytes - report.margin_bytes
         num_blocks = max(kv_bytes, 0) // per_block
+    num_blocks = _smallest(runner, num_blocks, "sized before graph capture")
     _check_fits(num_blocks, runner, per_block, "sized before graph capture")
     cache = _allocate(runner, config, num_blocks, extensible=False)
     logger.info(
         "Allocated KV cache of %d blocks (%.2f GiB).", num_blocks, cache.committed_bytes / GiB
     )
-    report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
-    if report.graph_pool_estimate_bytes is not None:
-        logger.info(
-            "CUDA graphs took %.3f GiB (estimated %.3f GiB).",
-            report.graph_pool_bytes / GiB,
-            report.graph_pool_estimate_bytes / GiB,
-        )
-    return cache
+    _measure_graphs(runner, report)
+    return cache, num_blocks
 
 
 def estimate_graph_memory(runner: ModelRunner, config: EngineConfig) -> int:

@@ -3,7 +3,7 @@
 from extkv.models.bamba import BambaForCausalLM
 from extkv.models.config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM
-from extkv.models.loader import MODEL_REGISTRY, load_model
+from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.qwen3 import Qwen3ForCausalLM
@@ -16,6 +16,7 @@ __all__ = [
     "Mamba2Mixer",
     "ModelFacts",
     "Qwen3ForCausalLM",
+    "check_tensor_parallel",
     "load_model",
     "model_facts",
 ]

@@ -16,6 +16,7 @@ from extkv.models.config import head_dim, rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from extkv.models.llama import DecoderAttention
 from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation
+from extkv.models.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 def bamba_dims(config: PretrainedConfig) -> Mamba2Dims:
@@ -63,7 +64,7 @@ class BambaModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         attention = set(getattr(config, "attn_layer_indices", None) or ())
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             BambaDecoderLayer(config, i in attention) for i in range(config.num_hidden_layers)
         )
@@ -85,7 +86,7 @@ class BambaForCausalLM(nn.Module):
         super().__init__()
         check_activation(config.hidden_act)  # the MLP's too: GatedMLP is SiLU-gated
         self.model = BambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -6,13 +6,14 @@ logits agree to rounding and bf16 ones round the same way.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from extkv.models.parallel import MergedColumnParallelLinear, RowParallelLinear, split_evenly
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -110,35 +111,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
 
 
-class MergedLinear(nn.Linear):
-    """Projections of one input stacked into one matmul (q/k/v, gate/up).
-
-    Checkpoints keep them apart as sibling modules named by the keys of
-    `parts`; the loader hands each to `weight_loader` with that name, which
-    writes it into its own row range.
-    """
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        offsets = [0, *itertools.accumulate(parts.values())]
-        self.parts = {name: (offsets[i], size) for i, (name, size) in enumerate(parts.items())}
-        for param in self.parameters():
-            param.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
-        offset, size = self.parts[part]
-        copy_weight(param.data.narrow(0, offset, size), loaded)
-
-
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up fused into one matmul."""
+    """SiLU-gated MLP with gate and up fused into one matmul; under tensor parallelism
+    each rank holds a slice of the intermediate features."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+        inner = split_evenly(intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, {"gate_proj": [inner], "up_proj": [inner]}, bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inner, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

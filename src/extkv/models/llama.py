@@ -15,7 +15,15 @@ from transformers import PretrainedConfig
 
 from extkv.attention import Attention
 from extkv.models.config import head_dim, num_kv_heads, rope_parameters
-from extkv.models.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from extkv.models.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    split_evenly,
+    split_heads,
+)
 
 
 def _check_supported(config: PretrainedConfig) -> None:
@@ -29,19 +37,21 @@ def _check_supported(config: PretrainedConfig) -> None:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads(config)
         self.head_dim = head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Tensor parallel: each rank holds whole heads, KV heads replicated when the
+        # ranks outnumber them.
+        q = split_evenly(config.num_attention_heads, "num_attention_heads", self.head_dim)
+        kv = split_heads(num_kv_heads(config), "num_key_value_heads", self.head_dim)
+        self.num_heads, self.num_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, {"q_proj": [q], "k_proj": [kv], "v_proj": [kv]}, bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-        self.split = (q_size, kv_size, kv_size)
+        self.split = (q.size, kv.size, kv.size)
 
     def forward(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -75,7 +85,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)
         )
@@ -101,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         _check_supported(config)
         self.model = DecoderModel(config, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,11 +1,12 @@
 """Build a model from a local Hugging Face checkpoint folder and load its safetensors.
 
 The model is built directly on the target device in the target dtype (no fp32
-copy on the CPU first). Checkpoint tensors map onto parameters by name; a
-parameter that fuses several checkpoint tensors (`MergedLinear`) is filled part
-by part through its `weight_loader`. Every name is checked before any tensor is
-read, so a mismatched checkpoint fails fast, naming what is missing and what
-is unexpected.
+copy on the CPU first), for one tensor-parallel rank: its layers hold only their
+shards. Checkpoint tensors map onto parameters by name; a parameter that fuses
+several checkpoint tensors (`MergedColumnParallelLinear`) is filled part by part,
+and a sharded one takes its rows, through its `weight_loader`. Every name is
+checked before any tensor is read, so a mismatched checkpoint fails fast, naming
+what is missing and what is unexpected.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from extkv.distributed import SINGLE, TPGroup, use_group
 from extkv.models.bamba import BambaForCausalLM
-from extkv.models.layers import MergedLinear, default_weight_loader
+from extkv.models.layers import default_weight_loader
 from extkv.models.llama import LlamaForCausalLM
 from extkv.models.mamba2_model import Mamba2ForCausalLM
+from extkv.models.parallel import MergedColumnParallelLinear
 from extkv.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -60,20 +63,39 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(
-    path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
-) -> tuple[nn.Module, PretrainedConfig]:
-    """The model of checkpoint folder `path` on `device` in `dtype`, weights loaded, in eval
-    mode, and its Hugging Face config."""
-    path = os.fspath(path)
+def _config(path: str) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder holding config.json")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def _build(
+    config: PretrainedConfig, dtype: torch.dtype, device: torch.device, group: TPGroup
+) -> nn.Module:
+    with torch.device(device), _default_dtype(dtype), use_group(group):
+        return model_class(config)(config)
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    group: TPGroup = SINGLE,
+) -> tuple[nn.Module, PretrainedConfig]:
+    """The model of checkpoint folder `path` on `device` in `dtype` (this rank's shard of
+    it), weights loaded, in eval mode, and its Hugging Face config."""
+    path = os.fspath(path)
+    config = _config(path)
     device = torch.device(device)
-    with torch.device(device), _default_dtype(dtype):
-        model = model_class(config)(config)
+    model = _build(config, dtype, device, group)
     load_weights(model, path, device)
     return model.requires_grad_(False).eval(), config
+
+
+def check_tensor_parallel(path: str | os.PathLike, size: int) -> None:
+    """Raise the ValueError that splitting the model `size` ways would, before any worker
+    process starts: build it on the meta device, which allocates nothing."""
+    _build(_config(os.fspath(path)), torch.float32, torch.device("meta"), TPGroup(0, size))
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -108,7 +130,7 @@ def _slots(model: nn.Module) -> list[_Slot]:
     slots: dict[tuple[int, str | None], _Slot] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedLinear):
+            if isinstance(module, MergedColumnParallelLinear):
                 parent = module_name.rpartition(".")[0]
                 sources = [(_join(parent, part, param_name), part) for part in module.parts]
             else:

@@ -8,6 +8,7 @@ the KV cache; each step reads and writes the rows `state_indices` names.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from extkv.attention import AttentionMetadata, get_forward_context
+from extkv.distributed import current_group
 from extkv.models.mamba2_ops import causal_conv_varlen, ssd_varlen, ssm_step, time_step
+from extkv.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    sharded,
+    split_evenly,
+    stacked,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,13 @@ class Mamba2Dims:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of n_groups")
         if self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    def split(self, num_ranks: int) -> Mamba2Dims:
+        """One rank's share: 1/num_ranks of the heads and of the groups (divisibility
+        checked by the caller), each head still reading B and C of its own group."""
+        return dataclasses.replace(
+            self, num_heads=self.num_heads // num_ranks, n_groups=self.n_groups // num_ranks
+        )
 
     @property
     def intermediate_size(self) -> int:
@@ -86,19 +102,28 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, dims: Mamba2Dims, ssm_state_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.dims = dims
+        # Tensor parallel: each rank holds whole heads and whole groups; every
+        # projection and per-channel parameter keeps this rank's rows of them.
+        heads = split_evenly(dims.num_heads, "the Mamba heads (num_heads)")
+        inner = split_evenly(dims.num_heads, "the Mamba heads (num_heads)", dims.head_dim)
+        bc = split_evenly(dims.n_groups, "the Mamba groups (n_groups)", dims.state_size)
+        xbc = stacked([inner, bc, bc])
+        self.dims = d = dims.split(current_group().size)
         self.ssm_state_dtype = ssm_state_dtype
-        d = dims
-        projected = 2 * d.intermediate_size + 2 * d.n_groups * d.state_size + d.num_heads
-        self.in_proj = nn.Linear(d.hidden_size, projected, bias=d.use_bias)
+        self.in_proj = ColumnParallelLinear(
+            d.hidden_size, {None: stacked([inner, inner, bc, bc, heads])}, d.use_bias
+        )
         self.conv1d = nn.Conv1d(
             d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.use_conv_bias
         )
-        self.dt_bias = nn.Parameter(torch.zeros(d.num_heads))
-        self.A_log = nn.Parameter(torch.zeros(d.num_heads))
-        self.D = nn.Parameter(torch.ones(d.num_heads))
+        for param in self.conv1d.parameters():
+            sharded(param, *xbc)
+        self.dt_bias = sharded(nn.Parameter(torch.zeros(d.num_heads)), heads)
+        self.A_log = sharded(nn.Parameter(torch.zeros(d.num_heads)), heads)
+        self.D = sharded(nn.Parameter(torch.ones(d.num_heads)), heads)
         self.norm = GatedRMSNorm(d.intermediate_size, d.intermediate_size // d.n_groups, d.eps)
-        self.out_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.use_bias)
+        sharded(self.norm.weight, inner)
+        self.out_proj = RowParallelLinear(inner, d.hidden_size, d.use_bias)
         self.ssm_state = torch.empty(0)
         self.conv_state = torch.empty(0)
         self.state_group = 0  # which row of the step's state_indices is this layer's

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from extkv.models.layers import RMSNorm
 from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation
+from extkv.models.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 def mamba2_dims(config: PretrainedConfig) -> Mamba2Dims:
@@ -47,7 +48,7 @@ class Mamba2Block(nn.Module):
 class Mamba2Model(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Mamba2Block(config) for _ in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
@@ -65,7 +66,7 @@ class Mamba2ForCausalLM(nn.Module):
         super().__init__()
         check_activation(config.hidden_act)
         self.backbone = Mamba2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.backbone.embeddings.weight
 

@@ -1,0 +1,232 @@
+"""Tensor parallelism: tensor_parallel_size=2 equals 1 token for token on the CPU (gloo),
+legacy and extensible; the ranks agree on one block count; a worker that dies makes the
+engine raise and leaves no process behind; bad sizes are refused before any starts.
+Models: Qwen3 (a KV head replicated on both ranks, a padded vocabulary), the Bamba
+hybrid (attention and Mamba2 mixers split by heads and groups) and pure Mamba2."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from extkv import LLM, SamplingParams
+from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.engine.workers import WorkerError
+from test_mamba import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 100, 120], [17] * 3, list(range(30, 71)), [125, 3]]  # < Bamba's 128
+QWEN3_OPTIONS = dict(cpu_memory_budget_bytes=128 << 20, max_model_len=128)
+# 8 tokens a step: prompts are prefilled in chunks, the Mamba states carried between them.
+MAMBA_OPTIONS = dict(
+    cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=8
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One KV head for 4 query heads (replicated on both ranks), and a vocabulary that
+    two ranks split unevenly (padded)."""
+    return make_random_checkpoint(
+        tmp_path_factory.mktemp("qwen3-tp"),
+        "qwen3",
+        with_tokenizer=False,
+        vocab_size=383,
+        num_key_value_heads=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bamba-tp")
+    make_checkpoint(path, "bamba", num_hidden_layers=4, attn_layer_indices=[2])
+    return path
+
+
+@pytest.fixture(scope="module")
+def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mamba2-tp")
+    make_checkpoint(path, "mamba2")
+    return path
+
+
+def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def children() -> dict[int, bytes]:
+    """This process's children (zombies included) and their command lines."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
+            found[int(entry)] = cmdline
+    return found
+
+
+def child_pids() -> set[int]:
+    """Every child but multiprocessing's resource tracker (one per process, started
+    with the first spawned child)."""
+    return {pid for pid, cmdline in children().items() if b"resource_tracker" not in cmdline}
+
+
+def worker_pids() -> set[int]:
+    """Children that are spawned workers."""
+    return {pid for pid, cmdline in children().items() if b"spawn_main" in cmdline}
+
+
+@pytest.mark.parametrize("extensible", [False, True], ids=["legacy", "extensible"])
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [("qwen3", QWEN3_OPTIONS), ("bamba", MAMBA_OPTIONS), ("mamba2", MAMBA_OPTIONS)],
+    ids=["qwen3", "bamba", "mamba2"],
+)
+def test_two_ranks_equal_one(
+    family: str,
+    options: dict,
+    extensible: bool,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = request.getfixturevalue(family)
+    expected = tokens(LLM(path, enable_extensible_kv_cache=extensible, **options))
+    assert len({tuple(t) for t in expected}) > 1
+    with caplog.at_level(logging.INFO, logger="extkv"):
+        llm = LLM(path, enable_extensible_kv_cache=extensible, tensor_parallel_size=2, **options)
+    try:
+        assert tokens(llm) == expected
+        report = llm.memory_report()
+        assert len(report["graph_pool_bytes_per_rank"]) == 2
+        agreed = [r.getMessage() for r in caplog.records if "every rank uses" in r.getMessage()]
+        assert agreed[-1].endswith(f"every rank uses {report['num_blocks']}.")
+        assert llm.engine.block_manager.num_blocks == report["num_blocks"]
+    finally:
+        llm.close()
+    assert not child_pids()
+
+
+def test_eager_decode_on_two_ranks(qwen3: Path) -> None:
+    """Without the static decode path every step goes to the workers as eager inputs."""
+    expected = tokens(LLM(qwen3, enforce_eager=True, **QWEN3_OPTIONS))
+    llm = LLM(qwen3, enforce_eager=True, tensor_parallel_size=2, **QWEN3_OPTIONS)
+    try:
+        assert llm.engine.runner.graphs is None
+        assert tokens(llm) == expected
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "size", "match"),
+    [
+        ("qwen3", 0, "tensor_parallel_size must be an int >= 1"),
+        ("qwen3", True, "tensor_parallel_size must be an int >= 1"),
+        ("qwen3", 2.0, "tensor_parallel_size must be an int >= 1"),
+        ("qwen3", 3, r"tensor_parallel_size=3 must divide num_attention_heads \(4\)"),
+        ("bamba", 4, r"tensor_parallel_size=4 must divide the Mamba groups \(n_groups\) \(2\)"),
+    ],
+)
+def test_bad_sizes_are_refused_before_any_worker_starts(
+    family: str, size: object, match: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(family)
+    with pytest.raises(ValueError, match=match):
+        LLM(path, tensor_parallel_size=size)
+    assert not child_pids()
+
+
+def test_worker_killed_during_startup_is_reported(qwen3: Path) -> None:
+    killed: list[int] = []
+
+    def kill_the_worker() -> None:
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for pid in worker_pids():
+                time.sleep(0.2)  # spawned and handed its arguments: starting up
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_the_worker)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        LLM(qwen3, tensor_parallel_size=2, **QWEN3_OPTIONS)
+    elapsed = time.monotonic() - start
+    killer.join()
+    assert killed and elapsed < 30
+    assert not child_pids()
+
+
+def test_worker_killed_while_serving_is_reported(qwen3: Path) -> None:
+    llm = LLM(qwen3, tensor_parallel_size=2, **QWEN3_OPTIONS)
+    (pid,) = worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        tokens(llm)
+    assert not child_pids()
+    with pytest.raises(WorkerError):  # the engine stays failed, it does not hang
+        tokens(llm)
+    llm.close()
+
+
+def test_runs_under_torchrun(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 ... --tensor-parallel-size 2`: rank 0 prints what one
+    rank generates; rank 1 serves it and exits cleanly."""
+    path = make_random_checkpoint(tmp_path / "model")
+    options = ["--device", "cpu", "--max-model-len", "128", "--max-tokens", "8"]
+    options += ["--cpu-memory-budget-bytes", str(128 << 20), "--ignore-eos"]
+    llm = LLM(path, device="cpu", max_model_len=128, cpu_memory_budget_bytes=128 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    text = llm.generate(["The quick"], params, use_tqdm=False)[0].outputs[0].text
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "extkv.cli", "generate", "--model", str(path)]
+    command += ["--prompt", "The quick", "--tensor-parallel-size", "2", *options]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count(f"'The quick' -> {text!r}") == 1  # printed by rank 0 only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_extensible_equals_legacy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Qwen3-0.6B shape over two GPUs (NCCL, CUDA graphs): extensible equals legacy
+    exactly, each rank's graph memory and the common block count logged."""
+    path = make_random_checkpoint(
+        tmp_path, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **QWEN3_0_6B_SHAPE
+    )
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 151936, (n,), generator=gen).tolist() for n in (5, 300, 37, 120)]
+    options = dict(tensor_parallel_size=2, max_model_len=1024, max_num_seqs=32)
+    legacy = LLM(path, **options)
+    expected = tokens(legacy, prompts)
+    legacy.close()
+    with caplog.at_level(logging.INFO, logger="extkv"):
+        extensible = LLM(path, enable_extensible_kv_cache=True, **options)
+    try:
+        assert tokens(extensible, prompts) == expected
+        report = extensible.memory_report()
+        assert len(report["graph_pool_bytes_per_rank"]) == 2
+        assert min(report["graph_pool_bytes_per_rank"]) > 0
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith("CUDA graphs took") and "on ranks 0-1" in m for m in messages)
+        assert any(m.endswith(f"every rank uses {report['num_blocks']}.") for m in messages)
+    finally:
+        extensible.close()
+    assert not child_pids()
