@@ -112,10 +112,9 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        results[order[output.request_id]] = output
-                        bar.update(1)
+                for output in engine.step(finished_only=True):
+                    results[order[output.request_id]] = output
+                    bar.update(1)
         return [r for r in results if r is not None]
 
     def _requests(

@@ -120,16 +120,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that got a new
-        token in it (`finished` tells which are done; only those carry text)."""
+        token in it (`finished` tells which are done; only those carry text), or with
+        `finished_only` just for the finished ones (no per-step copies for batch use)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         with self._ranks():
             sampled = self.runner.execute(batch)
         finished = set(self.scheduler.update(batch, sampled))
-        outputs = [self._output(seq, seq in finished) for seq in sampled]
+        advanced = finished if finished_only else sampled
+        outputs = [self._output(seq, seq in finished) for seq in advanced]
         for seq in finished:
             del self._requests[seq.request_id]
         return outputs
