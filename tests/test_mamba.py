@@ -28,6 +28,7 @@ from extkv.kv_cache.specs import MambaSpec
 from extkv.models import load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_ops import causal_conv_varlen, ssm_step, time_step
+from test_kernels import cuda_seconds
 
 VOCAB = 128
 MAMBA = dict(state_size=16, n_groups=2, conv_kernel=4, chunk_size=8)  # prompts span chunks
@@ -595,23 +596,6 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
         assert error < 0.1 * reference.abs().max().item()
         for r in requests:
             r.done += 1
-
-
-def cuda_seconds(fn, calls: int = 20, replays: int = 5) -> float:
-    """Seconds per call of `fn`, timed over replays of a graph of `calls` calls."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (calls * replays)
 
 
 @pytest.mark.gpu

@@ -14,9 +14,9 @@ from transformers import PretrainedConfig
 
 from extkv.models.config import head_dim, rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from extkv.models.llama import DecoderAttention
+from extkv.models.llama import CausalLM, DecoderAttention
 from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation
-from extkv.models.parallel import ParallelLMHead, VocabParallelEmbedding
+from extkv.models.parallel import VocabParallelEmbedding
 
 
 def bamba_dims(config: PretrainedConfig) -> Mamba2Dims:
@@ -81,19 +81,7 @@ class BambaModel(nn.Module):
         return self.final_layernorm(hidden)
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
         check_activation(config.hidden_act)  # the MLP's too: GatedMLP is SiLU-gated
-        self.model = BambaModel(config)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype."""
-        return self.lm_head(hidden).float()
+        super().__init__(config, BambaModel(config))

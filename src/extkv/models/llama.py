@@ -102,15 +102,13 @@ class DecoderModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama-style causal LM; module names mirror the HF checkpoint's tensor names."""
+class CausalLM(nn.Module):
+    """A decoder stack (`model`, mapping token ids and positions to hidden states)
+    under an LM head, tied to the stack's embedding when the config says so."""
 
-    qk_norm: ClassVar[bool] = False
-
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, model: nn.Module) -> None:
         super().__init__()
-        _check_supported(config)
-        self.model = DecoderModel(config, self.qk_norm)
+        self.model = model
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -122,3 +120,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype as HF."""
         return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-style causal LM; module names mirror the HF checkpoint's tensor names."""
+
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        _check_supported(config)
+        super().__init__(config, DecoderModel(config, self.qk_norm))
