@@ -71,6 +71,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="ranks to split the model over (worker processes; one GPU each on CUDA)",
     )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the KV of prompt prefixes already computed",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:

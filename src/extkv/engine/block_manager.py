@@ -4,14 +4,22 @@ A sequence holds attention blocks (`block_size` tokens each) for its block
 table and, in models with recurrent (Mamba) layers, one state block per
 recurrent group, whatever its length. In hybrid models both kinds come from the
 same buffers, so one pool serves them and a block is one kind at a time.
+
+With prefix caching, a full attention block whose KV has been computed is
+remembered by its content (its tokens and everything before them). A new
+sequence starting with the same tokens takes those blocks instead of computing
+them again; blocks are shared by reference count. A freed block keeps its
+content until the pool hands it out again, least recently freed first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from extkv.engine.sequence import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
 
 
 @dataclass(frozen=True)
@@ -29,22 +37,81 @@ class BlockNeeds:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, needs: BlockNeeds) -> None:
+    def __init__(self, num_blocks: int, needs: BlockNeeds, prefix_caching: bool = False) -> None:
+        if prefix_caching and needs.num_state_groups:
+            raise ValueError(
+                "enable_prefix_caching needs a model without Mamba layers: a recurrent "
+                "state sums up the whole prefix and cannot be shared block by block"
+            )
         self.num_blocks = num_blocks
         self.needs = needs
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: oldest first
+        self._refs = [0] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
+        self._key_of: dict[int, BlockKey] = {}
+        self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    # --- prefix caching ------------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a fresh `seq` could start with; at least its last token is left
+        to compute, since its logits are needed."""
+        if not self.prefix_caching or seq.block_table:
+            return []
+        size = self.needs.block_size
+        blocks: list[int] = []
+        parent = 0
+        for start in range(0, len(seq) - 1 - size + 1, size):
+            key = (parent, tuple(seq.token_ids[start : start + size]))
+            block = self._cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = hash(key)
+        return blocks
+
+    def reuse(self, seq: Sequence, blocks: Seq[int]) -> None:
+        """Give `seq` the cached `blocks` as its first ones: their tokens count as computed."""
+        for block in blocks:
+            self._take(block)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.needs.block_size
+        self.num_cached_tokens += seq.num_computed_tokens
+        self.remember_computed(seq)
+
+    def remember_computed(self, seq: Sequence) -> None:
+        """Record `seq`'s newly full, computed blocks by content (after a step wrote
+        them); `seq.block_hashes` carries the chain, so each block is hashed once."""
+        if not self.prefix_caching:
+            return
+        size = self.needs.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else 0
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            key = (parent, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            block = seq.block_table[i]
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
+            parent = hash(key)
+            seq.block_hashes.append(parent)
+
+    # --- allocation ----------------------------------------------------------------------
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still lacks to hold its first `num_tokens` tokens."""
         held = len(seq.block_table) + len(seq.state_blocks)
         return max(self.needs.blocks_for(num_tokens) - held, 0)
 
-    def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_missing(seq, num_tokens) <= len(self._free)
+    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
+        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+        missing = self.blocks_missing(seq, num_tokens) - len(reusing)
+        free = len(self._free) - sum(1 for b in reusing if b in self._free)
+        return max(missing, 0) <= free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         missing = self.blocks_missing(seq, num_tokens)
@@ -52,12 +119,28 @@ class BlockManager:
             raise RuntimeError(f"{missing} blocks needed, {len(self._free)} free")
         groups = self.needs.num_state_groups
         if groups and not seq.state_blocks:
-            seq.state_blocks = [self._free.popleft() for _ in range(groups)]
+            seq.state_blocks = [self._take_free() for _ in range(groups)]
             missing -= groups
-        seq.block_table.extend(self._free.popleft() for _ in range(missing))
+        seq.block_table.extend(self._take_free() for _ in range(missing))
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
-        self._free.extend(seq.state_blocks)
+        for block in (*seq.block_table, *seq.state_blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None  # keeps its content until handed out again
         seq.block_table = []
         seq.state_blocks = []
+        seq.block_hashes = []
+
+    def _take(self, block: int) -> None:
+        self._free.pop(block, None)
+        self._refs[block] += 1
+
+    def _take_free(self) -> int:
+        """The least recently freed block; whatever it held is forgotten."""
+        block = next(iter(self._free))
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._cached[key]
+        self._take(block)
+        return block

@@ -43,6 +43,7 @@ class EngineConfig:
     cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET
     kv_cache_margin_bytes: int | None = None
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
@@ -77,6 +78,10 @@ class EngineConfig:
         _check_int("seed", self.seed, minimum=0)
         _check_int("cpu_memory_budget_bytes", self.cpu_memory_budget_bytes, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False; got {self.enable_prefix_caching!r}"
+            )
         if self.device.type == "cuda" and self.tensor_parallel_size > 1:
             first = self.device.index
             self.device = torch.device(

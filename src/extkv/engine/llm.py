@@ -48,6 +48,7 @@ class LLM:
         cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET,
         kv_cache_margin_bytes: int | None = None,
         tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = False,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -67,6 +68,7 @@ class LLM:
             cpu_memory_budget_bytes=cpu_memory_budget_bytes,
             kv_cache_margin_bytes=kv_cache_margin_bytes,
             tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config)
 

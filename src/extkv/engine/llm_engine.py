@@ -50,7 +50,9 @@ class LLMEngine:
             weakref.finalize(self, self.workers.stop)  # an engine dropped unclosed
         self.config = config
         self.vocab_size = facts.vocab_size
-        self.block_manager = BlockManager(self.report.num_blocks, self.runner.needs)
+        self.block_manager = BlockManager(
+            self.report.num_blocks, self.runner.needs, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -77,13 +77,18 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        blocks = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_hold(seq, seq.num_computed_tokens + n):
+            cached = blocks.cached_prefix(seq)
+            computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
+            n = min(len(seq) - computed, budget)
+            if not blocks.can_hold(seq, computed + n, reusing=cached):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            if cached:
+                blocks.reuse(seq, cached)
+            blocks.allocate(seq, computed + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -125,6 +130,7 @@ class Scheduler:
             # Preemption takes victims from the tail, never one already in the batch.
             assert seq.status == SequenceStatus.RUNNING
             seq.num_computed_tokens += n
+            self.block_manager.remember_computed(seq)
             token = sampled.get(seq)
             if token is None:
                 continue  # a prompt chunk: nothing sampled yet

@@ -35,6 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # attention blocks, in token order
         self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
+        self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
