@@ -130,21 +130,28 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def inputs(self, seqs: list[Sequence]) -> DecodeInputs:
-        """The decode step of `seqs` as host arrays."""
-        width = max((len(seq.block_table) for seq in seqs), default=0)
-        rows = np.empty((self._host_rows.shape[0], len(seqs)), dtype=np.int32)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            position = len(seq) - 1
-            rows[:4, i] = (
+        """The decode step of `seqs` as host arrays (built as lists and converted once:
+        per-element numpy writes cost more than the rest of a step's host work)."""
+        num_rows = self._host_rows.shape[0]
+        if not seqs:
+            return DecodeInputs(np.empty((num_rows, 0), np.int32), np.empty((0, 0), np.int32))
+        size = self.block_size
+        columns = [
+            (
                 seq.token_ids[-1],
-                position,
-                seq.slot(position, self.block_size),
+                len(seq) - 1,
+                seq.slot(len(seq) - 1, size),
                 len(seq),
+                *seq.state_blocks,
             )
-            rows[4:, i] = seq.state_blocks
-            tables[i, : len(seq.block_table)] = seq.block_table
-        return DecodeInputs(rows, tables)
+            for seq in seqs
+        ]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        return DecodeInputs(
+            np.array(columns, dtype=np.int32).T,
+            np.array(tables, dtype=np.int32).reshape(len(seqs), width),
+        )
 
     def _stage(self, inputs: DecodeInputs, bs: int) -> None:
         """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""

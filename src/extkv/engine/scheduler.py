@@ -98,8 +98,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs = []
+        blocks = self.block_manager
         for seq in list(self.running):
-            if seq.status == SequenceStatus.RUNNING and self._make_room(seq, len(seq)):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted just now to make room for an older sequence
+            # Most steps need no new block: check that cheaply before the full path.
+            if blocks.blocks_missing(seq, len(seq)) == 0 or self._make_room(seq, len(seq)):
                 seqs.append(seq)
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
