@@ -109,16 +109,7 @@ def test_packed_prefill_matches_hf(tmp_path: Path, family: str, overrides: dict)
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     tokens = random_tokens((5, 19, 1))
     lengths = [len(t) for t in tokens]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        is_prefill=True,
-        slot_mapping=torch.full((sum(lengths),), -1, dtype=torch.int64),
-        cu_seqlens_q=cu,
-        context_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=torch.zeros(len(lengths), 0, dtype=torch.int32),
-        max_seqlen_q=max(lengths),
-        max_context_len=max(lengths),
-    )
+    metadata = AttentionMetadata.packed_prefill(lengths, "cpu")
     positions = torch.cat([torch.arange(n) for n in lengths])
     with set_forward_context(metadata):
         logits = model.compute_logits(model(torch.cat(tokens), positions))

@@ -67,16 +67,7 @@ def prompts(vocab_size: int = TINY["vocab_size"]) -> list[torch.Tensor]:
 def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Logits of every token of a packed batch (no KV cache bound: causal per sequence)."""
     lengths = [len(t) for t in token_ids]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        is_prefill=True,
-        slot_mapping=torch.full((sum(lengths),), -1, dtype=torch.int64),
-        cu_seqlens_q=cu,
-        context_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=torch.zeros(len(lengths), 0, dtype=torch.int32),
-        max_seqlen_q=max(lengths),
-        max_context_len=max(lengths),
-    )
+    metadata = AttentionMetadata.packed_prefill(lengths, "cpu")
     positions = torch.cat([torch.arange(n) for n in lengths])
     with set_forward_context(metadata):
         hidden = model(torch.cat(token_ids), positions)

@@ -37,6 +37,23 @@ class AttentionMetadata:
     state_indices: torch.Tensor | None = None  # int32 (num_state_groups, num_seqs)
     has_initial_state: torch.Tensor | None = None  # bool (num_seqs,)
 
+    @classmethod
+    def packed_prefill(cls, lengths: list[int], device: torch.device | str) -> AttentionMetadata:
+        """A prefill of whole sequences of these lengths, written to no cache: what the
+        profiling run (and a test of a model without its KV cache) feeds attention."""
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cls(
+            is_prefill=True,
+            slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(len(lengths), 0, dtype=torch.int32, device=device),
+            max_seqlen_q=max(lengths),
+            max_context_len=max(lengths),
+        )
+
     @property
     def num_seqs(self) -> int:
         return self.context_lens.numel()

@@ -164,22 +164,14 @@ class ModelRunner:
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
         lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        metadata = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=cu.to(self.device),
-            context_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(num_seqs, 0, dtype=torch.int32, device=self.device),
-            max_seqlen_q=max(lengths),
-            max_context_len=max(lengths),
-        )
+        metadata = AttentionMetadata.packed_prefill(lengths, self.device)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         before = self._memory_high_water_mark(reset=True)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[cu[1:].long().to(self.device) - 1])
+        last_tokens = metadata.cu_seqlens_q[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last_tokens])
         logits.argmax(dim=-1)
         del hidden, logits
         peak = max(self._memory_high_water_mark(reset=False) - before, 0)
