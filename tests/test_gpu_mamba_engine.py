@@ -12,12 +12,23 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
+from test_mamba import HF_GROUPS
 
 pytestmark = pytest.mark.gpu
 
+# Mamba width = 2 x hidden_size = heads x head dim, as transformers checks.
 SHAPES = {
-    "bamba": dict(num_hidden_layers=6, attn_layer_indices=[1, 4], initializer_range=0.1),
-    "mamba2": dict(num_hidden_layers=4, initializer_range=0.1),
+    "bamba": dict(
+        num_hidden_layers=6,
+        attn_layer_indices=[1, 4],
+        mamba_n_heads=16,
+        mamba_d_head=32,
+        mamba_n_groups=HF_GROUPS,
+        initializer_range=0.1,
+    ),
+    "mamba2": dict(
+        num_hidden_layers=4, num_heads=16, head_dim=32, n_groups=HF_GROUPS, initializer_range=0.1
+    ),
 }
 VOCAB = 2048
 

@@ -236,9 +236,10 @@ def test_attention_gpu(step: str, layout: str, block_size: int, group: int) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_attention_gpu_head_dim_64(step: str, layout: str) -> None:
+@pytest.mark.parametrize("head_dim", [8, 64])  # 8: below tl.dot's smallest K, padded to 16
+def test_attention_gpu_smaller_head_dims(step: str, layout: str, head_dim: int) -> None:
     lens = PREFILL_GPU if step == "prefill" else DECODE_GPU
-    check_attention(layout, 16, 4, 64, **lens, **bf16_gpu)
+    check_attention(layout, 16, 4, head_dim, **lens, **bf16_gpu)
 
 
 @pytest.mark.gpu

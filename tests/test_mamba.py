@@ -10,6 +10,7 @@ subprocess, as in test_kernels.py) and compiled on GPU.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
 from extkv.attention import Attention, AttentionMetadata, set_forward_context
 from extkv.kv_cache.layouts import mamba_state_views
@@ -31,7 +33,11 @@ from extkv.models.mamba2_ops import causal_conv_varlen, ssm_step, time_step
 from test_kernels import cuda_seconds
 
 VOCAB = 128
-MAMBA = dict(state_size=16, n_groups=2, conv_kernel=4, chunk_size=8)  # prompts span chunks
+# transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
+# mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
+HF_GROUPS = 2 if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else 1
+# Chunks of 8: the prompts span several.
+MAMBA = dict(state_size=16, n_groups=HF_GROUPS, conv_kernel=4, chunk_size=8)
 FAMILIES = {
     "mamba2": (
         transformers.Mamba2Config,
@@ -50,7 +56,7 @@ FAMILIES = {
             num_key_value_heads=2,
             mamba_n_heads=8,
             mamba_d_state=16,
-            mamba_n_groups=2,
+            mamba_n_groups=HF_GROUPS,
             mamba_d_conv=4,
             mamba_chunk_size=8,
             max_position_embeddings=128,
@@ -298,7 +304,7 @@ def test_engine_interface(tmp_path: Path) -> None:
     assert list(mixers(model)) == ["model.layers.0.mamba", "model.layers.2.mamba"]
     assert list(attention_layers(model)) == ["model.layers.1.self_attn.attn"]
     mixer = mixers(model)["model.layers.0.mamba"]
-    conv_dim = 8 * 8 + 2 * 2 * 16  # x, then B and C of 2 groups of 16
+    conv_dim = 8 * 8 + 2 * HF_GROUPS * 16  # x, then B and C of each group of 16
     assert mixer.state_shapes() == ((8, 8, 16), (conv_dim, 3))
     assert mixer.state_dtypes() == (torch.float32, torch.float32)
     assert mixer.ssm_state.numel() == mixer.conv_state.numel() == 0

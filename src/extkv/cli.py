@@ -22,6 +22,13 @@ def _extensible(value: str) -> bool | str:
     return choices[value.lower()]
 
 
+def _on_off(value: str) -> bool:
+    choices = {"true": True, "on": True, "false": False, "off": False}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true or false; got {value!r}")
+    return choices[value.lower()]
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every `LLM(...)` option, with its default."""
     g = parser.add_argument_group("engine")
@@ -75,6 +82,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action="store_true",
         help="reuse the KV of prompt prefixes already computed",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        type=_on_off,
+        default=None,
+        help="plan each step while the device runs the one before (true or false; "
+        "default: true unless --tensor-parallel-size > 1)",
     )
 
 

@@ -85,13 +85,14 @@ class BlockManager:
         self.remember_computed(seq)
 
     def remember_computed(self, seq: Sequence) -> None:
-        """Record `seq`'s newly full, computed blocks by content (after a step wrote
-        them); `seq.block_hashes` carries the chain, so each block is hashed once."""
+        """Record `seq`'s newly full, computed blocks whose tokens the host knows, by
+        content; `seq.block_hashes` carries the chain, so each block is hashed once."""
         if not self.prefix_caching:
             return
         size = self.needs.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        for i in range(len(seq.block_hashes), known // size):
             key = (parent, tuple(seq.token_ids[i * size : (i + 1) * size]))
             block = seq.block_table[i]
             if key not in self._cached and block not in self._key_of:

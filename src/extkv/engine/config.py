@@ -44,6 +44,7 @@ class EngineConfig:
     kv_cache_margin_bytes: int | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = False
+    async_scheduling: bool | None = None  # None: on unless tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
@@ -81,6 +82,17 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False; got {self.enable_prefix_caching!r}"
+            )
+        if self.async_scheduling not in (True, False, None):
+            raise ValueError(
+                f"async_scheduling must be True, False or None; got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling is None:
+            self.async_scheduling = self.tensor_parallel_size == 1
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling=True needs tensor_parallel_size=1: the workers take each "
+                "step's input tokens from the host, which async scheduling has not got yet"
             )
         if self.device.type == "cuda" and self.tensor_parallel_size > 1:
             first = self.device.index

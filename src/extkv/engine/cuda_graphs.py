@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DecodeInputs:
     """One decode step's inputs, one column per sequence, before padding: the staging
-    rows (ids, positions, slots, context lengths, then the state block of each group)
-    and the block tables cut to the longest one."""
+    rows (ids, positions, slots, context lengths, token sources, then the state block
+    of each group) and the block tables cut to the longest one. A token source >= 0
+    says the input token is still on the device: row `source` of the tokens the
+    previous step sampled."""
 
-    rows: np.ndarray  # int32 (4 + num_state_groups, num_seqs)
+    rows: np.ndarray  # int32 (5 + num_state_groups, num_seqs)
     tables: np.ndarray  # int32 (num_seqs, width)
 
 
@@ -56,7 +58,8 @@ class DecodeGraphs:
     """Static decode inputs and outputs, plus one captured graph per batch size.
 
     Padding rows write nothing (slot -1, state row -1) and attend to one token of
-    block 0, which both KV cache paths always have committed.
+    block 0, which both KV cache paths always have committed. `last_tokens` holds the
+    previous step's sampled tokens; the graph reads its inputs' pending tokens there.
     """
 
     def __init__(
@@ -68,16 +71,19 @@ class DecodeGraphs:
         vocab_size: int,
         device: torch.device,
         block_size: int,
+        last_tokens: torch.Tensor,
         num_state_groups: int = 0,
     ) -> None:
         self.model = model
+        self.last_tokens = last_tokens
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.capture_graphs = device.type == "cuda"
         n, width = self.batch_sizes[-1], max_blocks_per_seq
-        # Rows: ids, positions, slots, context lengths, then one of state blocks per group.
-        num_rows = 4 + num_state_groups
+        # Rows: ids, positions, slots, context lengths, token sources, then one of state
+        # blocks per group.
+        num_rows = 5 + num_state_groups
         pinned = self.capture_graphs
         self.host = torch.zeros(num_rows * n + n * width, dtype=torch.int32, pin_memory=pinned)
         self.staging = torch.zeros_like(self.host, device=device)
@@ -85,13 +91,17 @@ class DecodeGraphs:
         self._host_tables = self.host.numpy()[num_rows * n :].reshape(n, width)
         rows = self.staging[: num_rows * n].view(num_rows, n)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens = rows[:4]
-        self.state_indices = rows[4:] if num_state_groups else None
+        self.token_sources = rows[4]
+        self.state_indices = rows[5:] if num_state_groups else None
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)  # decode: always
         self.block_tables = self.staging[num_rows * n :].view(n, width)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Set once the last copy out of the host buffer is done: with asynchronous
+        # scheduling the next step is staged while the device may not have read it yet.
+        self._sent = torch.cuda.Event() if pinned else None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -107,8 +117,11 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> None:
+        sources = self.token_sources[:bs]
+        pending = self.last_tokens[sources.clamp(min=0)]
+        input_ids = torch.where(sources >= 0, pending, self.input_ids[:bs])
         with set_forward_context(self._metadata(bs)):
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            hidden = self.model(input_ids, self.positions[:bs])
         logits = self.model.compute_logits(hidden)
         self.logits[:bs] = logits
         self.greedy_tokens[:bs] = logits.argmax(dim=-1)
@@ -116,7 +129,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
         """Capture largest first, so smaller graphs reuse its pool memory."""
-        self._stage(self.inputs([]), self.batch_sizes[-1])
+        self._stage(self.inputs([], []), self.batch_sizes[-1])
         if not self.capture_graphs:
             return
         pool = None
@@ -129,22 +142,24 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def inputs(self, seqs: list[Sequence]) -> DecodeInputs:
-        """The decode step of `seqs` as host arrays (built as lists and converted once:
-        per-element numpy writes cost more than the rest of a step's host work)."""
+    def inputs(self, seqs: list[Sequence], sources: list[int]) -> DecodeInputs:
+        """The decode step of `seqs` as host arrays, `sources` as in `DecodeInputs` (built
+        as lists and converted once: per-element numpy writes cost more than the rest of
+        a step's host work)."""
         num_rows = self._host_rows.shape[0]
         if not seqs:
             return DecodeInputs(np.empty((num_rows, 0), np.int32), np.empty((0, 0), np.int32))
         size = self.block_size
         columns = [
             (
-                seq.token_ids[-1],
+                seq.token_ids[-1],  # stale when pending: the source row replaces it
                 len(seq) - 1,
                 seq.slot(len(seq) - 1, size),
                 len(seq),
+                source,
                 *seq.state_blocks,
             )
-            for seq in seqs
+            for seq, source in zip(seqs, sources, strict=True)
         ]
         width = max(len(seq.block_table) for seq in seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
@@ -155,16 +170,21 @@ class DecodeGraphs:
 
     def _stage(self, inputs: DecodeInputs, bs: int) -> None:
         """Write the step's inputs to the host buffer (padding rows up to `bs`), send them."""
+        if self._sent is not None:
+            self._sent.synchronize()
         rows, tables = self._host_rows, self._host_tables
         n, width = inputs.tables.shape
         rows[:, :n] = inputs.rows
-        # Padding: no KV write, one token of block 0, state row -1 (never written).
-        rows[:4, n:bs] = ((0,), (0,), (-1,), (1,))
-        rows[4:, n:bs] = -1
+        # Padding: no KV write, one token of block 0, token from the ids row, state
+        # row -1 (never written).
+        rows[:5, n:bs] = ((0,), (0,), (-1,), (1,), (-1,))
+        rows[5:, n:bs] = -1
         tables[:n, :width] = inputs.tables
         tables[:n, width:] = 0
         tables[n:bs] = 0
         self.staging.copy_(self.host, non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ class LLM:
         kv_cache_margin_bytes: int | None = None,
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -69,6 +70,7 @@ class LLM:
             kv_cache_margin_bytes=kv_cache_margin_bytes,
             tensor_parallel_size=tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
 

@@ -1,6 +1,12 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 `LLM.generate` drives it to completion; a server drives it step by step.
+
+With asynchronous scheduling (the default on one rank) each `step` launches the
+next step before it reads the tokens of the one in flight, so scheduling and
+building inputs on the host overlap the device's work instead of adding to it;
+outputs then come one step later, and a sequence that stops on a stop token
+computes one step for nothing. Tokens are the same either way.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import torch
 from extkv.distributed import SINGLE
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
+from extkv.engine.model_runner import SampledTokens
 from extkv.engine.outputs import CompletionOutput, RequestOutput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
-from extkv.engine.sequence import Sequence
+from extkv.engine.sequence import Sequence, SequenceStatus
 from extkv.engine.startup import MemoryReport, start_rank
 from extkv.engine.workers import start_workers
 
@@ -63,6 +70,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, tuple[Sequence, str | None]] = {}
         self._ids = itertools.count()
+        self._in_flight: SampledTokens | None = None  # launched, tokens not read yet
         self.report.startup_seconds = time.perf_counter() - start
         logger.info("Engine ready in %.2f s.", self.report.startup_seconds)
 
@@ -120,19 +128,29 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that got a new
-        token in it (`finished` tells which are done; only those carry text), or with
-        `finished_only` just for the finished ones (no per-step copies for batch use)."""
+        """Launch the next scheduled step and read the tokens of the one before (or of
+        this one, without asynchronous scheduling); return an output for every request
+        that got a new token (`finished` tells which are done; only those carry text),
+        or with `finished_only` just for the finished ones (no per-step copies)."""
         batch = self.scheduler.schedule()
-        if batch is None:
+        launched = None
+        if batch is not None:
+            with self._ranks():
+                launched = self.runner.execute(batch)
+            self.scheduler.launched(batch, launched.seqs)
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is None:
             return []
-        with self._ranks():
-            sampled = self.runner.execute(batch)
-        finished = set(self.scheduler.update(batch, sampled))
-        advanced = finished if finished_only else sampled
+        tokens = launched.get()
+        # Sequences finished or aborted since launch took no token (update skips them).
+        advanced = [seq for seq in launched.seqs if seq.status != SequenceStatus.FINISHED]
+        finished = set(self.scheduler.update(launched.seqs, tokens))
+        if finished_only:
+            advanced = [seq for seq in advanced if seq in finished]
         outputs = [self._output(seq, seq in finished) for seq in advanced]
         for seq in finished:
             del self._requests[seq.request_id]

@@ -4,6 +4,11 @@ forward pass (eagerly, or by replaying a decode graph) and samples.
 Under tensor parallelism every rank has a runner over its shard of the model;
 the driver's runner prepares each step and sends its inputs to the others, and
 only the driver samples.
+
+A step returns before the device has finished it: its sampled tokens stay on
+the device (the next step reads its pending input tokens from there) and come
+to the host behind the step (`SampledTokens.get`), so the host can plan the
+next step meanwhile.
 """
 
 from __future__ import annotations
@@ -58,9 +63,26 @@ class EagerInputs:
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
     state_indices: list[list[int]] | None = None  # per state group, per sequence
     has_initial_state: list[bool] | None = None
+    # (input row, row of the previous step's sampled tokens) for tokens still pending
+    device_tokens: list[tuple[int, int]] = field(default_factory=list)
 
 
 StepInputs = EagerInputs | DecodeInputs
+
+
+@dataclass
+class SampledTokens:
+    """A launched step's sampled tokens, one per sequence of `seqs`, on their way to
+    the host; `get` waits for them."""
+
+    seqs: list[Sequence]
+    host: torch.Tensor  # int64, written by a copy behind the step
+    ready: torch.cuda.Event | None  # None: already there (CPU)
+
+    def get(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -98,6 +120,16 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.graphs: DecodeGraphs | None = None
+        # The last sampled tokens stay on the device for the next step's inputs; two host
+        # buffers take turns receiving them, so a step's copy never overwrites tokens the
+        # host has not read yet.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        self._last_rows: dict[Sequence, int] = {}  # row of each sequence in last_tokens
+        pinned = self.device.type == "cuda"
+        self._host_tokens = [
+            torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
+        ]
+        self.num_steps = 0  # steps launched
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -207,6 +239,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
             self.config.block_size,
+            self.last_tokens,
             self.needs.num_state_groups,
         )
         self.graphs.capture(batch_sizes)
@@ -235,8 +268,10 @@ class ModelRunner:
         """The step's inputs on the host, and the sequences whose next token it samples."""
         seqs = batch.seqs
         graphs = self.graphs
+        rows = self._last_rows
         if not batch.is_prefill and graphs is not None and len(seqs) <= graphs.batch_sizes[-1]:
-            return graphs.inputs(seqs), seqs
+            sources = [rows[seq] if seq.num_pending else -1 for seq in seqs]
+            return graphs.inputs(seqs, sources), seqs
         # Flatten the new tokens; note which rows finish a sequence's context.
         block_size = self.config.block_size
         inputs = EagerInputs(batch.is_prefill, max(batch.num_new_tokens))
@@ -244,6 +279,9 @@ class ModelRunner:
         for seq, n in zip(seqs, batch.num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             inputs.input_ids += seq.token_ids[start:end]
+            if end > len(seq.token_ids):  # decode of the token the last step sampled
+                inputs.device_tokens.append((len(inputs.input_ids), rows[seq]))
+                inputs.input_ids.append(0)
             inputs.positions += range(start, end)
             inputs.slots += [seq.slot(p, block_size) for p in range(start, end)]
             inputs.cu_seqlens.append(inputs.cu_seqlens[-1] + n)
@@ -279,6 +317,9 @@ class ModelRunner:
             metadata.state_indices = as_tensor(inputs.state_indices, torch.int32)
             metadata.has_initial_state = as_tensor(inputs.has_initial_state, torch.bool)
         ids = as_tensor(inputs.input_ids, torch.int64)
+        if inputs.device_tokens:
+            at, source = as_tensor(inputs.device_tokens, torch.int64).T
+            ids[at] = self.last_tokens[source].long()
         with set_forward_context(metadata):
             hidden = self.model(ids, as_tensor(inputs.positions, torch.int64))
         if not inputs.sample_rows:
@@ -297,16 +338,25 @@ class ModelRunner:
         return None if logits is None else (logits, None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run one step (on every rank) and sample; return the sampled token of every
-        sequence that produced one."""
+    def execute(self, batch: ScheduledBatch) -> SampledTokens:
+        """Launch one step (on every rank) and its sampling; return the tokens on their
+        way to the host, one for every sequence that produced one."""
         inputs, sampled_seqs = self._prepare(batch)
         if self.tp.size > 1:
             self.tp.broadcast_object(inputs)  # the workers' step (extkv.engine.workers)
         result = self.forward(inputs)
+        host = self._host_tokens[self.num_steps % 2][: len(sampled_seqs)]
+        self.num_steps += 1
+        self._last_rows = {seq: row for row, seq in enumerate(sampled_seqs)}
         if result is None:
-            return {}
+            return SampledTokens([], host, None)
         logits, greedy = result
         params = [s.params for s in sampled_seqs]
         tokens = self.sampler(logits, params, [s.generator for s in sampled_seqs], greedy)
-        return dict(zip(sampled_seqs, tokens, strict=True))
+        self.last_tokens[: len(tokens)] = tokens
+        host.copy_(tokens, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return SampledTokens(sampled_seqs, host, ready)

@@ -36,9 +36,10 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         greedy_tokens: torch.Tensor | None = None,
-    ) -> list[int]:
-        """logits: float32 (num_seqs, vocab) -> one token per row. `greedy_tokens`, the
-        argmax when the caller already has it (the decode graph computes it)."""
+    ) -> torch.Tensor:
+        """logits: float32 (num_seqs, vocab) -> one int64 token per row, on the device
+        (the host reads them later). `greedy_tokens`, the argmax when the caller already
+        has it (the decode graph computes it)."""
         tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
@@ -60,4 +61,4 @@ class Sampler:
                 ]
             )
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        return tokens

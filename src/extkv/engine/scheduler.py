@@ -6,6 +6,14 @@ running sequence). Prefill goes first so new requests join the batch quickly.
 When a decode needs a block and none is free, the most recently admitted
 sequence is preempted: its blocks are freed and it recomputes later, which
 gives the same tokens.
+
+A step's life has two halves: `launched` records what the step computes when
+it is sent to the device, `update` records the tokens it sampled once they
+reach the host. With asynchronous scheduling the next step is planned and
+launched in between, so the host's work hides behind the device's: tokens in
+flight are pending (see `Sequence`), a sequence that an in-flight token will
+finish by length is not scheduled again, and one that it finishes by a stop
+token has computed one step for nothing.
 """
 
 from __future__ import annotations
@@ -102,6 +110,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted just now to make room for an older sequence
+            if seq.num_pending and self._at_length_limit(seq, len(seq)):
+                continue  # its pending token is its last
             # Most steps need no new block: check that cheaply before the full path.
             if blocks.blocks_missing(seq, len(seq)) == 0 or self._make_room(seq, len(seq)):
                 seqs.append(seq)
@@ -127,24 +137,36 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens will be recomputed)", seq.request_id, len(seq))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[Sequence]:
-        """Record a step's results; return the sequences it finished."""
-        finished = []
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """Record that `batch` went to the device: its tokens count as computed, and each
+        of the `sampled` sequences has one more token pending."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            # Preemption takes victims from the tail, never one already in the batch.
-            assert seq.status == SequenceStatus.RUNNING
             seq.num_computed_tokens += n
             self.block_manager.remember_computed(seq)
-            token = sampled.get(seq)
-            if token is None:
-                continue  # a prompt chunk: nothing sampled yet
+        for seq in sampled:
+            seq.num_pending += 1
+
+    def update(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Record the tokens a launched step sampled; return the sequences they finished."""
+        finished = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.status == SequenceStatus.FINISHED:
+                continue  # aborted, or finished by a token of the step before
+            seq.num_pending -= 1
             seq.token_ids.append(token)
+            self.block_manager.remember_computed(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.running.remove(seq)
+                # Usually running; waiting if preempted while this token was in flight.
+                (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _at_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` is done by length once it holds `num_tokens` tokens."""
+        num_output = num_tokens - seq.num_prompt_tokens
+        return num_output >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -152,9 +174,7 @@ class Scheduler:
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_length_limit(seq, len(seq.token_ids)) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -16,8 +16,13 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One generation request. `num_computed_tokens` of `token_ids` have their KV in
-    the cache; after a preemption it drops to 0 and the prefix is recomputed."""
+    """One generation request. `num_computed_tokens` of its tokens have their KV in
+    the cache; after a preemption it drops to 0 and the prefix is recomputed.
+
+    With asynchronous scheduling the host plans a step before the previous one has
+    finished: the `num_pending` tokens sampled on the device but not yet seen by the
+    host count in `len(seq)` (they have positions and slots) but are not in
+    `token_ids` yet."""
 
     def __init__(
         self,
@@ -33,13 +38,14 @@ class Sequence:
         self.generator = generator  # set for seeded requests: sampling independent of batching
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.block_table: list[int] = []  # attention blocks, in token order
         self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -51,7 +57,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     def slot(self, position: int, block_size: int) -> int:
         """Cache slot of token `position`; -1 where the model keeps no per-token cache

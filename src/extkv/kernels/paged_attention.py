@@ -242,7 +242,7 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     block_m = max(tiles.block_m, group_p2)
-    head_dim_p2 = triton.next_power_of_2(head_dim)
+    head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs K >= 16
 
     part_out = part_lse = out  # placeholders, unused when there is a single split
     if splits > 1:
