@@ -1,4 +1,5 @@
-"""Decode throughput: extkv legacy vs extensible vs transformers `generate`, one run.
+"""Decode throughput: extkv legacy vs extensible (and extensible with synchronous
+scheduling) vs transformers `generate`, one run.
 
     python benchmarks/bench_decode.py [--batch-sizes 1 16 64 256] [--json OUT]
 
@@ -42,17 +43,19 @@ def main() -> None:
     # Copy bandwidth counts bytes read + written; a decode step mostly reads.
     bandwidth = device_bandwidth()
     rows: dict[int, dict[str, float]] = {b: {} for b in args.batch_sizes}
-    # Both engines live side by side (half the GPU each) and take turns, twice per
-    # batch size, best of two: neither gets a warmer GPU or an emptier allocator.
+    # The engines live side by side (a third of the GPU each) and take turns, twice
+    # per batch size, best of two: none gets a warmer GPU or an emptier allocator.
+    # "sync" is the extensible engine reading each step's tokens before the next.
     engines = {
         name: LLM(
             str(path),
             enable_extensible_kv_cache=extensible,
-            gpu_memory_utilization=0.45,
+            async_scheduling=name != "sync",
+            gpu_memory_utilization=0.3,
             max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
             max_num_seqs=max(args.batch_sizes),
         )
-        for name, extensible in (("legacy", False), ("extensible", True))
+        for name, extensible in (("legacy", False), ("extensible", True), ("sync", True))
     }
     weights = engines["legacy"].memory_report()["weights_bytes"]
     for batch in args.batch_sizes:
@@ -77,6 +80,7 @@ def main() -> None:
     header = (
         f"{'batch':>5} {'legacy':>9} {'extens':>9} {'ext/leg':>7} {'hf':>8} {'ext/hf':>7}"
         f" {'dec ext':>9} {'dec hf':>8} {'roofline':>9} {'of roof':>7}"
+        f" {'dec sync':>9} {'async/sync':>10}"
     )
     print("tok/s (end to end; 'dec' = decode only, prefill removed)")
     print(header)
@@ -86,7 +90,9 @@ def main() -> None:
             f"{r['extensible_tok_s'] / r['legacy_tok_s']:>7.3f} {r['hf_tok_s']:>8.0f} "
             f"{r['extensible_tok_s'] / r['hf_tok_s']:>7.1f} {r['extensible_decode_tok_s']:>9.0f} "
             f"{r['hf_decode_tok_s']:>8.0f} {r['roofline_tok_s']:>9.0f} "
-            f"{r['extensible_decode_tok_s'] / r['roofline_tok_s']:>7.2f}"
+            f"{r['extensible_decode_tok_s'] / r['roofline_tok_s']:>7.2f} "
+            f"{r['sync_decode_tok_s']:>9.0f} "
+            f"{r['extensible_decode_tok_s'] / r['sync_decode_tok_s']:>10.2f}"
         )
     if args.json:
         with open(args.json, "w") as f:
