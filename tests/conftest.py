@@ -1,5 +1,9 @@
+from pathlib import Path
+
 import pytest
 import torch
+
+from test_mamba import make_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -10,3 +14,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Tiny random Mamba2 and Bamba checkpoints (fp32), shared by the engine-level tests.
+# The Bamba has one attention layer among four Mamba layers: the KV config cuts the
+# Mamba layers into four state groups, each with its own state block per sequence.
+@pytest.fixture(scope="session")
+def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mamba2")
+    make_checkpoint(path, "mamba2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bamba")
+    make_checkpoint(path, "bamba", num_hidden_layers=5, attn_layer_indices=[2])
+    return path

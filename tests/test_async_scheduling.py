@@ -11,7 +11,6 @@ import pytest
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from test_mamba import make_checkpoint
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 PROMPTS = [list(range(10 + 3 * i, 40 + 5 * i)) for i in range(6)] + [[7, 8], [250]]
@@ -20,20 +19,6 @@ PROMPTS = [list(range(10 + 3 * i, 40 + 5 * i)) for i in range(6)] + [[7, 8], [25
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="module")
-def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bamba")
-    make_checkpoint(path, "bamba", num_hidden_layers=5, attn_layer_indices=[2])
-    return path
-
-
-@pytest.fixture(scope="module")
-def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("mamba2")
-    make_checkpoint(path, "mamba2")
-    return path
 
 
 def run(llm: LLM, prompts: list[list[int]], params) -> list[tuple[list[int], str]]:
@@ -83,7 +68,7 @@ def test_async_equals_sync(qwen3: Path, scenario: str) -> None:
 @pytest.mark.parametrize("family", ["bamba", "mamba2"])
 def test_async_equals_sync_with_mamba_state(family: str, request) -> None:
     """Room for two sequences: the hybrid preempts (the longer prompts outgrow their
-    first attention block), pure Mamba queues (one state block per sequence, whatever its length)."""
+    first attention block), pure Mamba queues (one state block per sequence)."""
     path = request.getfixturevalue(family)
     options = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4)
     prompts = [[(7 * t + i) % 128 for t in range(20 + 6 * i)] for i in range(8)]

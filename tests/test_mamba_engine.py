@@ -12,26 +12,10 @@ import torch
 from extkv import LLM, SamplingParams
 from test_mamba import make_checkpoint
 
-# Bamba with one attention layer among four Mamba layers: the KV config cuts the Mamba
-# layers into four state groups, each with its own state block per sequence.
-HYBRID = {"num_hidden_layers": 5, "attn_layer_indices": [2]}
+# `bamba` (conftest): one attention layer among four Mamba layers, four state groups.
 OPTIONS = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4)
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 17, [100, 1, 2, 3, 4, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("mamba2")
-    make_checkpoint(path, "mamba2")
-    return path
-
-
-@pytest.fixture(scope="module")
-def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bamba")
-    make_checkpoint(path, "bamba", **HYBRID)
-    return path
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

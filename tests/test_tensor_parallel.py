@@ -21,7 +21,6 @@ import torch
 from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.engine.workers import WorkerError
-from test_mamba import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 120], [17] * 3, list(range(30, 71)), [125, 3]]  # < Bamba's 128
@@ -43,20 +42,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=383,
         num_key_value_heads=1,
     )
-
-
-@pytest.fixture(scope="module")
-def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bamba-tp")
-    make_checkpoint(path, "bamba", num_hidden_layers=4, attn_layer_indices=[2])
-    return path
-
-
-@pytest.fixture(scope="module")
-def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("mamba2-tp")
-    make_checkpoint(path, "mamba2")
-    return path
 
 
 def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
