@@ -26,14 +26,18 @@ def run(llm: LLM, prompts: list[list[int]], params) -> list[tuple[list[int], str
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
 
-def mixed_params(path: Path, prompts: list[list[int]], **options) -> list[SamplingParams]:
+def mixed_params(
+    path: Path, prompts: list[list[int]], longest: int = 12, **options
+) -> list[SamplingParams]:
     """Per prompt: stop on a token the free run makes a few tokens in (a stop finish
-    the async engine learns of a step late), or stop by a length of its own."""
+    the async engine learns of a step late), or stop by a length of its own (up to
+    `longest`)."""
     free = run(LLM(path, async_scheduling=False, **options), prompts, NO_EOS)
     params = []
     for i, (tokens, _) in enumerate(free):
         if i % 2:
-            params.append(SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True))
+            length = 5 + (longest - 5) * i // (len(prompts) - 1)
+            params.append(SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
         else:
             params.append(
                 SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tokens[3 + i % 5]])
@@ -72,7 +76,7 @@ def test_async_equals_sync_with_mamba_state(family: str, request) -> None:
     path = request.getfixturevalue(family)
     options = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4)
     prompts = [[(7 * t + i) % 128 for t in range(20 + 6 * i)] for i in range(8)]
-    params = mixed_params(path, prompts, **options)
+    params = mixed_params(path, prompts, longest=24, **options)
     sync = LLM(path, async_scheduling=False, **options)
     expected = run(sync, prompts, params)
     two = 2 * sync.engine.runner.needs.blocks_for(1)
@@ -98,6 +102,23 @@ def test_outputs_come_one_step_later_and_no_step_is_wasted_on_lengths(qwen3: Pat
         assert outputs[-1].finished and len(tokens[mode]) == 6
         assert engine.runner.num_steps == 6  # 1 prefill + 5 decodes: none past max_tokens
     assert tokens[True] == tokens[False]
+
+
+def test_a_token_in_flight_does_not_preempt(qwen3: Path) -> None:
+    """Under memory pressure a sequence whose stop token is in flight would take a block
+    (and preempt a live sequence) for its wasted step; it waits a step instead."""
+    options = {**SMALL, "max_model_len": 128, "num_gpu_blocks_override": 12}
+    prompts = PROMPTS[:6]
+    free = run(LLM(qwen3, async_scheduling=False, **options), prompts, NO_EOS)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[t[15 - i]])
+        for i, (t, _) in enumerate(free)
+    ]
+    engines = {mode: LLM(qwen3, async_scheduling=mode, **options) for mode in (False, True)}
+    outputs = {mode: run(llm, prompts, params) for mode, llm in engines.items()}
+    assert outputs[True] == outputs[False]
+    preemptions = {mode: llm.engine.scheduler.num_preemptions for mode, llm in engines.items()}
+    assert preemptions[True] <= preemptions[False]
 
 
 def test_seeded_sampling_is_the_same_async(qwen3: Path) -> None:

@@ -184,7 +184,7 @@ class DecodeGraphs:
         tables[n:bs] = 0
         self.staging.copy_(self.host, non_blocking=True)
         if self._sent is not None:
-            self._sent.record()
+            self._sent.record(torch.cuda.current_stream(self.staging.device))
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:

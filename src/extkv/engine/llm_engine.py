@@ -6,7 +6,8 @@ With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and
 building inputs on the host overlap the device's work instead of adding to it;
 outputs then come one step later, and a sequence that stops on a stop token
-computes one step for nothing. Tokens are the same either way.
+computes one step for nothing. Greedy and seeded tokens are the same either way
+(unseeded sampling shares one generator, so its tokens depend on the batch).
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ class LLMEngine:
     def close(self) -> None:
         """Give the device memory back (graphs, KV cache, weights) before the process ends;
         stop the tensor-parallel workers."""
+        if self._in_flight is not None:
+            self._in_flight.get()  # the device may still be writing the KV cache
+            self._in_flight = None
         if self.workers is not None:
             self.workers.stop()
         self.runner.release()

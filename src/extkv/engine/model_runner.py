@@ -358,5 +358,5 @@ class ModelRunner:
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))  # not the current device's
         return SampledTokens(sampled_seqs, host, ready)

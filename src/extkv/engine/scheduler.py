@@ -12,8 +12,9 @@ it is sent to the device, `update` records the tokens it sampled once they
 reach the host. With asynchronous scheduling the next step is planned and
 launched in between, so the host's work hides behind the device's: tokens in
 flight are pending (see `Sequence`), a sequence that an in-flight token will
-finish by length is not scheduled again, and one that it finishes by a stop
-token has computed one step for nothing.
+finish by length is not scheduled again, one that it finishes by a stop token
+has computed one step for nothing, and a sequence whose token is in flight
+never preempts others for a block (it waits a step instead).
 """
 
 from __future__ import annotations
@@ -113,7 +114,12 @@ class Scheduler:
             if seq.num_pending and self._at_length_limit(seq, len(seq)):
                 continue  # its pending token is its last
             # Most steps need no new block: check that cheaply before the full path.
-            if blocks.blocks_missing(seq, len(seq)) == 0 or self._make_room(seq, len(seq)):
+            if blocks.blocks_missing(seq, len(seq)) == 0:
+                seqs.append(seq)
+            elif seq.num_pending and not blocks.can_hold(seq, len(seq)):
+                # Its token in flight may finish it: wait a step rather than preempt others.
+                continue
+            elif self._make_room(seq, len(seq)):
                 seqs.append(seq)
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
@@ -179,4 +185,5 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0  # a token still in flight is dropped when read
         self.block_manager.free(seq)
