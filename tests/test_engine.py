@@ -123,6 +123,31 @@ def test_chunked_prefill_keeps_outputs(qwen3: Path) -> None:
     assert extkv_tokens(chunked, prompts, params) == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunks_wait_for_room_instead_of_starving_decodes(
+    qwen3: Path, async_scheduling: bool
+) -> None:
+    """5 blocks of 16 tokens, 8-token chunks: a prompt chunk that finds no free block
+    waits (preempting itself would recompute the same chunks forever while the
+    prefill-first scheduler never ran the decodes that free blocks)."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [list(range(10 + 3 * i, 40 + 3 * i)) for i in range(6)]
+    options = {**SMALL, "max_model_len": 48, "max_num_seqs": 8, "max_num_batched_tokens": 8}
+    expected = extkv_tokens(LLM(qwen3, **options), prompts, params)
+    tight = LLM(qwen3, num_gpu_blocks_override=5, async_scheduling=async_scheduling, **options)
+    engine = tight.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {}
+    for _ in range(1000):  # a bound, so a livelock fails instead of hanging
+        if not engine.has_unfinished_requests():
+            break
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
+    assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
+    assert [tokens[i] for i in ids] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_eos_stops_and_text_is_decoded(qwen3: Path, tmp_path: Path) -> None:
     """Make the 4th greedy token of a prompt the checkpoint's EOS: generation stops there
     unless ignore_eos; stop_token_ids do the same per request."""

@@ -81,8 +81,9 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
                 continue  # preempted just now, or ready to decode
             n = min(seq.num_uncomputed_tokens, budget)
-            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n):
-                continue
+            end = seq.num_computed_tokens + n
+            if n == 0 or not self._make_room(seq, end, preempt_itself=False):
+                continue  # waits, keeping its blocks, until a decode frees or takes them
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -123,11 +124,15 @@ class Scheduler:
                 seqs.append(seq)
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, preempt_itself: bool = True) -> bool:
         """Give `seq` blocks for `num_tokens`, preempting younger sequences if needed.
-        False if `seq` itself had to be preempted."""
+        False if there was no room without preempting `seq` itself (which then happened,
+        unless `preempt_itself` is off: a prompt chunk waits instead, since preempting
+        it would only recompute the same chunks and starve the decodes)."""
         while not self.block_manager.can_hold(seq, num_tokens):
             victim = self.running[-1]
+            if victim is seq and not preempt_itself:
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False
