@@ -5,11 +5,13 @@ caching, hybrid and pure Mamba state, seeded sampling, aborts."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from extkv import LLM, SamplingParams
+from extkv.cli import add_engine_args
 from extkv.demo import make_random_checkpoint
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
@@ -156,3 +158,14 @@ def test_abort_while_a_step_is_in_flight(qwen3: Path) -> None:
 def test_bad_async_scheduling(qwen3: Path, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(qwen3, **SMALL, **kwargs)
+
+
+def test_async_scheduling_flag(capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).async_scheduling is None
+    assert parser.parse_args(["--async-scheduling", "false"]).async_scheduling is False
+    assert parser.parse_args(["--async-scheduling", "On"]).async_scheduling is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--async-scheduling", "maybe"])
+    assert "expected true or false; got 'maybe'" in capsys.readouterr().err
