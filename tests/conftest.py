@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from extkv.demo import make_random_checkpoint
 from test_mamba import make_checkpoint
 
 
@@ -31,3 +32,9 @@ def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("bamba")
     make_checkpoint(path, "bamba", num_hidden_layers=5, attn_layer_indices=[2])
     return path
+
+
+# The tiny random Qwen3 (fp32, with a tokenizer) most engine tests run.
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")

@@ -17,14 +17,10 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
+from extkv.engine.config import EngineConfig
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 200], [17] * 3, list(range(30, 71)), [250, 3]]
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +56,7 @@ NO_EOS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_greedy_matches_transformers(arch: str, extensible: bool, backend: str, request) -> None:
     path = request.getfixturevalue(arch)
     expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
-    llm = LLM(path, enable_extensible_kv_cache=extensible, attention_backend=backend, **SMALL)
+    llm = LLM(path, enable_extensible_kv_cache=extensible, kv_layout=backend, **SMALL)
     assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
 
@@ -205,10 +201,11 @@ def test_top_k_one_is_greedy(qwen3: Path) -> None:
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k must be an int in \\[-1, 2\\*\\*63\\)"),
+        ({"top_k": 2**63}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"seed": "x"}, "seed"),
-        ({"seed": 2**64}, "seed must be an int in"),
+        ({"seed": 2**64}, "seed must be an int in \\[0, 2\\*\\*63\\)"),
         ({"seed": -1}, "seed must be an int in"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
@@ -226,6 +223,7 @@ def test_bad_sampling_params(kwargs: dict, match: str) -> None:
             "kv_cache_memory_bytes",
         ),
         ({"enable_extensible_kv_cache": "yes"}, "enable_extensible_kv_cache"),
+        ({"kv_layout": "flash"}, "kv_layout must be one of 'split', 'block_major'"),
         ({"attention_backend": "flash"}, "attention_backend must be one of"),
         ({"device": "tpu"}, "device must be"),
         ({"dtype": "int8"}, "dtype must be one of"),
@@ -239,6 +237,17 @@ def test_bad_sampling_params(kwargs: dict, match: str) -> None:
 def test_bad_engine_options(qwen3: Path, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(qwen3, **{**SMALL, **kwargs})
+
+
+def test_unknown_option_lists_the_options(qwen3: Path) -> None:
+    with pytest.raises(TypeError, match=r"unknown option\(s\) max_num_seq;.*max_num_seqs"):
+        LLM(qwen3, max_num_seq=4)
+
+
+def test_attention_backend_is_a_deprecated_alias_of_kv_layout(qwen3: Path) -> None:
+    with pytest.warns(DeprecationWarning, match="use kv_layout"):
+        config = EngineConfig(model=str(qwen3), attention_backend="block_major")
+    assert config.kv_layout == "block_major" and config.attention_backend is None
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:

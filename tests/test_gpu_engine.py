@@ -60,7 +60,7 @@ def test_extensible_equals_legacy_with_cuda_graphs(
     qwen3_0_6b: Path, backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     prompts = random_prompts(24, QWEN3_0_6B_SHAPE["vocab_size"])
-    options = dict(attention_backend=backend, max_model_len=1024, max_num_seqs=32)
+    options = dict(kv_layout=backend, max_model_len=1024, max_num_seqs=32)
     legacy = LLM(qwen3_0_6b, **options)
     assert legacy.engine.runner.graphs is not None  # graphs on
     expected = run(legacy, prompts, GREEDY)

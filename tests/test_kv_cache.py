@@ -127,7 +127,7 @@ def test_buffers_commit_one_block_per_segment(layout: AttentionLayout, segments:
 
 
 def test_get_layout_rejects_unknown_backend() -> None:
-    with pytest.raises(ValueError, match=r"attention_backend must be one of .*'split'"):
+    with pytest.raises(ValueError, match=r"kv_layout must be one of .*'split'"):
         get_layout("flash")
 
 

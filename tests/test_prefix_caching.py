@@ -8,18 +8,12 @@ from pathlib import Path
 import pytest
 
 from extkv import LLM, SamplingParams
-from extkv.demo import make_random_checkpoint
 from test_mamba import make_checkpoint
 
 OPTIONS = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 SHARED = list(range(40, 90))  # 50 tokens: three full blocks of 16
 PROMPTS = [[*SHARED, 7, 8, 9], [*SHARED, 100], [*SHARED[:20], 3, 3, 3], [1, 2]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", with_tokenizer=False)
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:

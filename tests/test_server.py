@@ -391,7 +391,8 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(temperature=-1), 400, "temperature"),
     ("/v1/completions", _completion(temperature="hot"), 400, "temperature"),
     ("/v1/completions", _completion(top_p=0), 400, "top_p"),
-    ("/v1/completions", _completion(top_k=0), 400, "top_k must be -1"),
+    ("/v1/completions", _completion(top_k=-2), 400, "top_k must be an int in [-1, 2**63)"),
+    ("/v1/completions", _completion(top_k=2**63), 400, "top_k"),
     ("/v1/completions", _completion(max_tokens=0), 400, "max_tokens"),
     ("/v1/completions", _completion(max_tokens=MAX_MODEL_LEN), 400, "max_tokens=1024"),
     ("/v1/completions", _completion(prompt=[1] * MAX_MODEL_LEN), 400, "max_model_len=1024"),
@@ -435,7 +436,7 @@ def test_help_lists_every_engine_option(capsys: pytest.CaptureFixture[str]) -> N
     for field in EngineConfig.__dataclass_fields__:
         if field != "model":
             assert f"--{field.replace('_', '-')}" in text
-    assert "(default: 16)" in text  # --block-size
+    assert "default: 16)" in text  # --block-size
 
 
 def test_bench_reports_throughput(checkpoints: tuple[Path, Path], capsys) -> None:

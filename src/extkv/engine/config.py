@@ -1,14 +1,17 @@
-"""Every engine option in one validated place, shared by `LLM` and the command line."""
+"""Every engine option, declared once: `LLM(**options)` and the command line's flags are
+generated from these fields (see `extkv.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from extkv.options import Bool, Choice, Custom, Float, Int, check_options, option, required
 from extkv.vmm import resolve_device
 
 _DTYPES = {
@@ -16,76 +19,130 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
-ENGINE_BACKENDS = ("split", "block_major")
-DEFAULT_CPU_MEMORY_BUDGET = 2 << 30
+KV_LAYOUTS = ("split", "block_major")
 DEFAULT_MAX_MODEL_LEN = 8192  # for models without max_position_embeddings (pure Mamba)
+
+
+def _resolve_engine_device(device: object) -> torch.device:
+    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} asks for CUDA, but no CUDA device is visible; pass "
+            "device='cpu' (--device cpu on the command line) to run on the CPU"
+        )
+    return resolve_device(device)
+
+
+def _resolve_dtype(dtype: object) -> torch.dtype | None:
+    """None: chosen by the device (bfloat16 on CUDA, float32 on the CPU)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype); got {dtype!r}")
+
+
+def _checkpoint_folder(path: object) -> str:
+    if not isinstance(path, str | os.PathLike) or not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):
+        raise ValueError(f"model must be a checkpoint folder holding config.json; got {path!r}")
+    return str(path)
 
 
 @dataclass
 class EngineConfig:
-    """What `LLM(...)` accepts; see README for each option's meaning."""
+    """What `LLM(...)` accepts (the same names as vLLM's where vLLM has the option)."""
 
-    model: str
-    device: str | int | torch.device | None = None
-    dtype: str | torch.dtype | None = None
-    enable_extensible_kv_cache: bool | Literal["auto"] = False
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enforce_eager: bool = False
-    attention_backend: str = "split"
-    seed: int = 0
-    cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET
-    kv_cache_margin_bytes: int | None = None
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = False
-    async_scheduling: bool | None = None  # None: on unless tensor_parallel_size > 1
+    model: str = required(
+        "Hugging Face checkpoint folder (config.json + safetensors)",
+        Custom(_checkpoint_folder, "a folder holding config.json", "PATH"),
+    )
+    device: str | int | torch.device | None = option(
+        None,
+        "cpu, cuda or cuda:N; None: cuda if there is one",
+        Custom(_resolve_engine_device, "cpu, cuda, cuda:N or None", "DEVICE"),
+    )
+    dtype: str | torch.dtype | None = option(
+        None,
+        "model dtype; None: bfloat16 on CUDA, float32 on the CPU",
+        Custom(_resolve_dtype, f"one of {', '.join(_DTYPES)}", "DTYPE"),
+    )
+    enable_extensible_kv_cache: bool | Literal["auto"] = option(
+        False,
+        "size the KV cache after CUDA-graph capture from the memory really left; 'auto': "
+        "where the device has virtual memory management",
+        Choice((True, False, "auto")),
+    )
+    gpu_memory_utilization: float = option(
+        0.9, "share of the GPU's memory the engine may use", Float(0, 1, above_minimum=True)
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None, "KV cache size (legacy path only)", Int(0, optional=True)
+    )
+    num_gpu_blocks_override: int | None = option(
+        None, "fix the KV cache's block count", Int(0, optional=True)
+    )
+    block_size: int = option(16, "tokens per KV cache block", Choice((8, 16, 32, 64, 128, 256)))
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt + output; None: the model's", Int(1, optional=True)
+    )
+    max_num_seqs: int = option(256, "most sequences in one batch", Int(1))
+    max_num_batched_tokens: int | None = option(
+        None,
+        "most tokens in one step (longer prompts are prefilled in chunks); None: "
+        "max(8192, max_num_seqs)",
+        Int(1, optional=True),
+    )
+    enforce_eager: bool = option(False, "no CUDA graphs", Bool())
+    kv_layout: str = option("split", "how K and V of a block are laid out", Choice(KV_LAYOUTS))
+    attention_backend: str | None = option(
+        None, "deprecated alias of kv_layout", Choice(KV_LAYOUTS, optional=True)
+    )
+    seed: int = option(0, "seed of the sampling of requests without a seed", Int(0))
+    cpu_memory_budget_bytes: int = option(
+        2 << 30, "memory the engine may use on the CPU (weights, activations, KV)", Int(1)
+    )
+    kv_cache_margin_bytes: int | None = option(
+        None,
+        "memory the extensible sizing keeps free; None: 256 MiB on CUDA, 0 on the CPU",
+        Int(0, optional=True),
+    )
+    tensor_parallel_size: int = option(
+        1, "ranks to split the model over (worker processes; one GPU each on CUDA)", Int(1)
+    )
+    enable_prefix_caching: bool = option(
+        False, "reuse the KV of prompt prefixes already computed", Bool()
+    )
+    async_scheduling: bool | None = option(
+        None,
+        "plan each step while the device runs the one before; None: on unless "
+        "tensor_parallel_size > 1",
+        Bool(optional=True),
+    )
+    worker_heartbeat_timeout: float = option(
+        30.0,
+        "seconds a tensor-parallel worker may go silent before the engine gives it up",
+        Float(0, above_minimum=True),
+    )
 
     def __post_init__(self) -> None:
-        if not os.path.isfile(os.path.join(str(self.model), "config.json")):
-            raise ValueError(
-                f"model must be a checkpoint folder holding config.json; got {self.model!r}"
+        check_options(self)
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if self.attention_backend is not None:
+            warnings.warn(
+                "attention_backend is deprecated and will be removed; use kv_layout",
+                DeprecationWarning,
+                stacklevel=4,
             )
-        self.device = _resolve_engine_device(self.device)
-        self.dtype = _resolve_dtype(self.dtype, self.device)
-        if self.enable_extensible_kv_cache not in (True, False, "auto"):
-            raise ValueError(
-                "enable_extensible_kv_cache must be True, False or 'auto'; "
-                f"got {self.enable_extensible_kv_cache!r}"
-            )
+            self.kv_layout, self.attention_backend = self.attention_backend, None
         if self.enable_extensible_kv_cache is True and self.kv_cache_memory_bytes is not None:
             raise ValueError(
                 "kv_cache_memory_bytes cannot be combined with enable_extensible_kv_cache: "
                 "the extensible KV cache sizes itself from the memory left after capture"
-            )
-        if not isinstance(self.gpu_memory_utilization, float | int) or not (
-            0 < self.gpu_memory_utilization <= 1
-        ):
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization!r}"
-            )
-        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_margin_bytes"):
-            _check_int(name, getattr(self, name), minimum=0, optional=True)
-        if self.block_size not in _BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {_BLOCK_SIZES}; got {self.block_size!r}")
-        _check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
-        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, optional=True)
-        _check_int("seed", self.seed, minimum=0)
-        _check_int("cpu_memory_budget_bytes", self.cpu_memory_budget_bytes, minimum=1)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be True or False; got {self.enable_prefix_caching!r}"
-            )
-        if self.async_scheduling not in (True, False, None):
-            raise ValueError(
-                f"async_scheduling must be True, False or None; got {self.async_scheduling!r}"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1
@@ -104,11 +161,6 @@ class EngineConfig:
                     f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
                     f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
                 )
-        if self.attention_backend not in ENGINE_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ENGINE_BACKENDS}; "
-                f"got {self.attention_backend!r}"
-            )
 
     def finalize(self, max_position_embeddings: int | None) -> None:
         """Fill the defaults that depend on the model (None: it has no position limit)."""
@@ -135,29 +187,3 @@ class EngineConfig:
         if self.device.type != "cuda":
             return self
         return self.replace(device=torch.device("cuda", self.device.index + rank))
-
-
-def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        suffix = " or None" if optional else ""
-        raise ValueError(f"{name} must be an int >= {minimum}{suffix}; got {value!r}")
-
-
-def _resolve_engine_device(device: object) -> torch.device:
-    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return resolve_device(device)
-
-
-def _resolve_dtype(dtype: object, device: torch.device) -> torch.dtype:
-    """None: bfloat16 on CUDA, float32 on the CPU."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype); got {dtype!r}")

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Literal
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from extkv.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from extkv.engine.config import EngineConfig
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.sampling_params import SamplingParams
+from extkv.options import check_names
 
 
 class LLM:
@@ -19,7 +19,8 @@ class LLM:
 
     `LLM(path, enable_extensible_kv_cache=True)` sizes the KV cache after CUDA
     graph capture from the memory really left; the default legacy path sizes
-    it before, from an estimate.
+    it before, from an estimate. The options are `EngineConfig`'s fields (the
+    same as `extkv generate --help` lists).
 
     `tensor_parallel_size=N` splits the model over N ranks: this process and N - 1
     worker processes it starts (one device each on CUDA). A script that uses it
@@ -28,51 +29,16 @@ class LLM:
     rank 0 until it closes, then exits.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str | int | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        enable_extensible_kv_cache: bool | Literal["auto"] = False,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enforce_eager: bool = False,
-        attention_backend: str = "split",
-        seed: int = 0,
-        cpu_memory_budget_bytes: int = DEFAULT_CPU_MEMORY_BUDGET,
-        kv_cache_margin_bytes: int | None = None,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = False,
-        async_scheduling: bool | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            device=device,
-            dtype=dtype,
-            enable_extensible_kv_cache=enable_extensible_kv_cache,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enforce_eager=enforce_eager,
-            attention_backend=attention_backend,
-            seed=seed,
-            cpu_memory_budget_bytes=cpu_memory_budget_bytes,
-            kv_cache_margin_bytes=kv_cache_margin_bytes,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=async_scheduling,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str, **options: Any) -> None:
+        check_names(EngineConfig, options, "LLM()")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM of a config already checked (the command line builds one before loading)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
 
     def memory_report(self) -> dict[str, object]:
         return self.engine.memory_report.as_dict()

@@ -48,7 +48,8 @@ class Sampler:
             chosen = [params[i] for i in sampled_rows]
             device = logits.device
             temperature = torch.tensor([p.temperature for p in chosen], device=device)
-            top_k = torch.tensor([p.top_k for p in chosen], device=device)
+            vocab = logits.shape[-1]  # a larger top_k truncates nothing, like vLLM's
+            top_k = torch.tensor([min(p.top_k, vocab) for p in chosen], device=device)
             top_p = torch.tensor([p.top_p for p in chosen], device=device)
             scaled = _truncate(logits[rows] / temperature[:, None], top_k, top_p)
             probs = scaled.softmax(dim=-1)

@@ -4,39 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extkv.options import INT64_MAX, Bool, Custom, Float, Int, check_options, option
+
+FLOAT32_MAX = 3.4028234663852886e38
+# Below this temperature sampling is greedy (vLLM's rule): dividing logits by a tinier
+# one overflows float32 and would sample from NaNs.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _token_ids(value: object) -> list[int]:
+    ids = [] if value is None else value
+    if not isinstance(ids, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in ids
+    ):
+        raise ValueError(f"stop_token_ids must be a list of ints in [0, 2**63); got {value!r}")
+    return list(ids)
+
 
 @dataclass
 class SamplingParams:
-    """temperature 0 is greedy; top_k -1 and top_p 1.0 mean no truncation."""
+    """temperature 0 (or below 1e-5) is greedy; top_k -1 or 0 and top_p 1.0 mean no
+    truncation, as does a top_k beyond the vocabulary."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    temperature: float = option(
+        1.0, "softmax temperature; below 1e-5: greedy", Float(0, FLOAT32_MAX)
+    )
+    top_p: float = option(1.0, "nucleus sampling; 1: off", Float(0, 1, above_minimum=True))
+    top_k: int = option(-1, "sample among the k most likely tokens; -1 or 0: off", Int(-1))
+    max_tokens: int = option(16, "tokens to generate", Int(1))
+    seed: int | None = option(
+        None, "seed of this request's sampling", Int(0, optional=True), flag="--sampling-seed"
+    )
+    stop_token_ids: list[int] | None = option(
+        None, "token ids that end the output", Custom(_token_ids, "ints >= 0"), cli=False
+    )
+    ignore_eos: bool = option(False, "generate past the end-of-sequence token", Bool())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
-        stops = self.stop_token_ids or []
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(stops)
+        check_options(self)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

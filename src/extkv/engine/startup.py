@@ -31,6 +31,7 @@ import torch
 from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
+from extkv.engine.errors import StartupError
 from extkv.engine.model_runner import ModelRunner
 from extkv.kv_cache import (
     AttentionLayout,
@@ -126,10 +127,11 @@ def _memory_in_use(
     budget = int(total * config.gpu_memory_utilization)
     held_by_others = total - free_at_start
     if held_by_others + budget > total:
-        raise RuntimeError(
+        raise StartupError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} asks for "
             f"{budget / GiB:.2f} GiB of {config.device}, but only {free_at_start / GiB:.2f} GiB "
-            "were free when the engine started; lower gpu_memory_utilization"
+            "were free when the engine started; lower gpu_memory_utilization "
+            "(--gpu-memory-utilization)"
         )
     return budget, free_at_start - free
 
@@ -140,18 +142,32 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+REMEDY = (
+    "lower max_model_len (--max-model-len) or max_num_seqs (--max-num-seqs), raise "
+    "gpu_memory_utilization (--gpu-memory-utilization; on the CPU cpu_memory_budget_bytes, "
+    "--cpu-memory-budget-bytes), or use a smaller model"
+)
+
+
 def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what: str) -> None:
     config = runner.config
     needed = runner.needs.blocks_for(config.max_model_len)
     if num_blocks < needed:
         missing = (needed - num_blocks) * bytes_per_block
-        raise RuntimeError(
+        raise StartupError(
             f"the KV cache ({what}) has {num_blocks} blocks, but one sequence of "
             f"max_model_len={config.max_model_len} tokens needs {needed}: "
-            f"{missing / GiB:.3f} GiB ({missing} bytes) of memory are missing. Lower "
-            "max_model_len, raise gpu_memory_utilization / cpu_memory_budget_bytes, or use "
-            "a smaller model."
+            f"{missing / GiB:.3f} GiB ({missing} bytes) of memory are missing; {REMEDY}"
         )
+
+
+def _out_of_memory(config: EngineConfig, error: BaseException) -> StartupError:
+    """A start-up phase ran out of memory: one line with the figures and the remedy."""
+    where = ""
+    if config.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(config.device)
+        where = f" ({free / GiB:.2f} of {total / GiB:.2f} GiB free on {config.device})"
+    return StartupError(f"out of memory while starting the engine{where}: {error}; {REMEDY}")
 
 
 def start_rank(
@@ -162,12 +178,15 @@ def start_rank(
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     free_at_start = free_memory_at_start(config)
-    model, hf_config = load_model(config.model, config.dtype, config.device, group)
-    load_seconds = time.perf_counter() - start
-    facts = model_facts(hf_config, config.model)
-    config.finalize(facts.max_position_embeddings)
-    runner = ModelRunner(config, model, facts.vocab_size, group)
-    cache, report = initialize_kv_cache(runner, config, free_at_start)
+    try:
+        model, hf_config = load_model(config.model, config.dtype, config.device, group)
+        load_seconds = time.perf_counter() - start
+        facts = model_facts(hf_config, config.model)
+        config.finalize(facts.max_position_embeddings)
+        runner = ModelRunner(config, model, facts.vocab_size, group)
+        cache, report = initialize_kv_cache(runner, config, free_at_start)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise _out_of_memory(config, e) from e
     report.load_seconds = load_seconds
     return runner, cache, report, facts
 
@@ -243,7 +262,7 @@ def initialize_kv_cache(
 def _layouts(runner: ModelRunner, config: EngineConfig) -> dict[str, AttentionLayout]:
     """Every attention layer's layout; in a hybrid model re-strided so that K and V of
     a block share one page, the page a Mamba state may take instead."""
-    layout = get_layout(config.attention_backend)
+    layout = get_layout(config.kv_layout)
     if runner.mixers:
         layout = hybrid_layout(layout)
     return dict.fromkeys(runner.attention_layers, layout)

@@ -127,7 +127,7 @@ LAYOUTS = {
 
 def get_layout(name: str) -> AttentionLayout:
     if name not in LAYOUTS:
-        raise ValueError(f"attention_backend must be one of {sorted(LAYOUTS)}, got {name!r}")
+        raise ValueError(f"kv_layout must be one of {sorted(LAYOUTS)}, got {name!r}")
     return LAYOUTS[name]
 
 

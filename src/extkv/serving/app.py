@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
@@ -39,28 +38,13 @@ from extkv.serving.protocol import (
     parse_request,
     usage,
 )
+from extkv.serving.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-@dataclass
-class ServerSettings:
-    """What `extkv serve` adds to the engine options."""
-
-    model_name: str
-    max_pending_requests: int  # running or queued; more get 429
-    max_request_bytes: int  # larger bodies get 413
-    api_key: str | None = None  # None: /v1 is open
-
-    def __post_init__(self) -> None:
-        for name in ("max_pending_requests", "max_request_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -86,13 +70,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def run_server(
-    engine: LLMEngine,
-    settings: ServerSettings,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    log_level: str = "info",
-) -> None:
+def run_server(engine: LLMEngine, settings: ServerSettings, log_level: str = "info") -> None:
+    host, port = settings.host, settings.port
     if host not in LOOPBACK and settings.api_key is None:
         logger.warning("Serving on %s without --api-key: whoever reaches it can use it.", host)
     logger.info("Serving %s on http://%s:%d/v1", settings.model_name, host, port)

@@ -1,0 +1,321 @@
+"""Options declared once, as dataclass fields: each carries its default, its help and the
+values it allows; keyword arguments are checked and command-line flags generated from it.
+
+    @dataclass
+    class Settings:
+        port: int = option(8000, "port to bind", Int(1, 65535))
+
+    check_options(settings)             # in __post_init__: every field against its kind
+    add_options(parser, Settings)       # --port, parsed and checked by the same kind
+    Settings(**options_from(args, Settings))
+
+A kind parses the command line's text, checks a value (the message names the option
+and the values it allows) and describes those values for `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+INT64_MAX = 2**63 - 1
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+class Kind:
+    """The values one option allows."""
+
+    optional: bool = False  # None allowed too
+    metavar: str = "VALUE"  # how --help names the flag's value
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def accepts(self, value: object) -> bool:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> object:
+        """A command-line string as a value (then checked like any value)."""
+        return text
+
+    def check(self, name: str, value: object) -> object:
+        """`value` if allowed (normalised, e.g. an int for a float), else a ValueError that
+        names `name` and what it allows."""
+        if value is None and self.optional:
+            return None
+        if not self.accepts(value):
+            raise ValueError(f"{name} must be {self._allowed()}; got {value!r}")
+        return value
+
+    def _allowed(self) -> str:
+        return self.describe() + (" or None" if self.optional else "")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Int(Kind):
+    """An int in [minimum, maximum] (int64 by default: every count reaches a tensor)."""
+
+    minimum: int = -INT64_MAX - 1
+    maximum: int = INT64_MAX
+    optional: bool = False
+    metavar = "N"
+
+    def describe(self) -> str:
+        if self.maximum == INT64_MAX:
+            return f"an int in [{self.minimum}, 2**63)"
+        return f"an int in [{self.minimum}, {self.maximum}]"
+
+    def accepts(self, value: object) -> bool:
+        return _is_int(value) and self.minimum <= value <= self.maximum
+
+    def parse(self, text: str) -> object:
+        try:
+            return int(text)
+        except ValueError:
+            return text  # refused by check, with the message that says what is allowed
+
+
+@dataclass(frozen=True)
+class Float(Kind):
+    """A finite number in [minimum, maximum]; `above_minimum` excludes the minimum."""
+
+    minimum: float = -math.inf
+    maximum: float = math.inf
+    above_minimum: bool = False
+    optional: bool = False
+    metavar = "X"
+
+    def describe(self) -> str:
+        low = "(" if self.above_minimum else "["
+        if self.maximum == math.inf:
+            return f"a number {'>' if self.above_minimum else '>='} {self.minimum:g}"
+        return f"a number in {low}{self.minimum:g}, {self.maximum:g}]"
+
+    def accepts(self, value: object) -> bool:
+        if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            return False
+        above = value > self.minimum if self.above_minimum else value >= self.minimum
+        return above and value <= self.maximum
+
+    def check(self, name: str, value: object) -> object:
+        value = super().check(name, value)
+        return None if value is None else float(value)
+
+    def parse(self, text: str) -> object:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+@dataclass(frozen=True)
+class Bool(Kind):
+    optional: bool = False
+    metavar = "BOOL"
+
+    def describe(self) -> str:
+        return "True, False or None" if self.optional else "True or False"
+
+    def _allowed(self) -> str:
+        return self.describe()
+
+    def accepts(self, value: object) -> bool:
+        return isinstance(value, bool)
+
+    def parse(self, text: str) -> object:
+        lowered = text.lower()
+        return True if lowered in _TRUE else False if lowered in _FALSE else text
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    """One of `choices` (compared by equality, bools by identity: True is not 1)."""
+
+    choices: tuple[object, ...]
+    optional: bool = False
+    metavar = "CHOICE"
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(map(repr, self.choices))
+
+    def accepts(self, value: object) -> bool:
+        return any(value is c if isinstance(c, bool) else value == c for c in self.choices)
+
+    def parse(self, text: str) -> object:
+        lowered = text.lower()
+        for choice in self.choices:
+            if isinstance(choice, bool):
+                if lowered in (_TRUE if choice else _FALSE):
+                    return choice
+            elif str(choice).lower() == lowered:
+                return choice
+        return text
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    optional: bool = False
+    metavar = "TEXT"
+
+    def describe(self) -> str:
+        return "a non-empty string"
+
+    def accepts(self, value: object) -> bool:
+        return isinstance(value, str) and value != ""
+
+
+@dataclass(frozen=True)
+class Texts(Kind):
+    """A list of non-empty strings (on the command line: the flag repeated)."""
+
+    metavar = "TEXT"
+
+    def describe(self) -> str:
+        return "a list of non-empty strings"
+
+    def accepts(self, value: object) -> bool:
+        return isinstance(value, list | tuple) and all(
+            isinstance(v, str) and v != "" for v in value
+        )
+
+    def check(self, name: str, value: object) -> object:
+        return tuple(super().check(name, value))
+
+
+@dataclass(frozen=True)
+class Custom(Kind):
+    """Values that a function resolves (e.g. a device or a dtype); it raises ValueError."""
+
+    resolve: Callable[[object], object]
+    description: str
+    metavar: str = "VALUE"
+
+    def describe(self) -> str:
+        return self.description
+
+    def check(self, name: str, value: object) -> object:
+        return self.resolve(value)
+
+
+_NO_CLI = object()
+
+
+def option(
+    default: object,
+    help: str,
+    kind: Kind,
+    *,
+    flag: str | None = None,
+    cli: bool = True,
+    const: object = _NO_CLI,
+) -> Any:
+    """A dataclass field declaring one option. `flag`: the command-line name when not
+    `--field-name`; `cli=False`: no flag; `const`: the value of the bare flag
+    (default True for booleans, so `--enforce-eager` alone means true)."""
+    metadata = {"help": help, "kind": kind, "flag": flag, "cli": cli, "const": const}
+    if isinstance(default, list | dict | set):
+        raise TypeError("option defaults must be immutable (a tuple, not a list)")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def required(help: str, kind: Kind, *, flag: str | None = None) -> Any:
+    """An option without a default (a required --flag on the command line)."""
+    metadata = {"help": help, "kind": kind, "flag": flag, "cli": True, "const": _NO_CLI}
+    return dataclasses.field(metadata=metadata)
+
+
+def declared(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` declared with `option` or `required`."""
+    return [f for f in dataclasses.fields(cls) if "kind" in f.metadata]
+
+
+def check_options(obj: object) -> None:
+    """Check (and normalise) every declared field of `obj`; works on frozen dataclasses."""
+    for f in declared(type(obj)):
+        value = f.metadata["kind"].check(f.name, getattr(obj, f.name))
+        object.__setattr__(obj, f.name, value)
+
+
+def check_names(cls: type, names: Iterable[str], what: str) -> None:
+    """A TypeError naming the options `cls` accepts, for an unknown keyword."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise TypeError(
+            f"{what} got unknown option(s) {', '.join(unknown)}; the options are: "
+            + ", ".join(sorted(known))
+        )
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _argument_type(name: str, kind: Kind) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            return kind.check(name, kind.parse(text))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def add_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    skip: Iterable[str] = (),
+    defaults: Mapping[str, object] | None = None,
+) -> None:
+    """A flag for every declared option of `cls` but `skip`, its default shown in the help;
+    `defaults` replaces some defaults on this command line only."""
+    defaults = defaults or {}
+    for f in declared(cls):
+        meta = f.metadata
+        if f.name in skip or not meta["cli"]:
+            continue
+        kind: Kind = meta["kind"]
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "type": _argument_type(flag_of(f), kind),
+            "metavar": kind.metavar,
+        }
+        if f.default is dataclasses.MISSING and f.name not in defaults:
+            kwargs["required"] = True
+            kwargs["help"] = f"{meta['help']} ({kind.describe()})"
+        else:
+            default = defaults.get(f.name, f.default)
+            kwargs["default"] = default
+            kwargs["help"] = f"{meta['help']} ({kind.describe()}; default: {default})"
+        const = meta["const"]
+        if const is _NO_CLI and isinstance(kind, Bool | Choice) and _takes_true(kind):
+            const = True
+        if isinstance(kind, Texts):
+            kwargs.update(action="append", type=_argument_type(flag_of(f), Text()), default=None)
+        elif const is not _NO_CLI:
+            kwargs.update(nargs="?", const=const)
+        parser.add_argument(flag_of(f), **kwargs)
+
+
+def _takes_true(kind: Kind) -> bool:
+    return isinstance(kind, Bool) or any(c is True for c in getattr(kind, "choices", ()))
+
+
+def options_from(args: argparse.Namespace, cls: type) -> dict[str, object]:
+    """The parsed values of `cls`'s options (those the command line has)."""
+    values = {}
+    for f in declared(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            if isinstance(f.metadata["kind"], Texts) and value is None:
+                value = f.default
+            values[f.name] = value
+    return values
