@@ -58,8 +58,9 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(batch)
+def random_prompts(batch: int, vocab: int, length: int, seed: int | None = None) -> list[list[int]]:
+    """`batch` prompts of `length` token ids in [1, vocab), seeded by `seed` (default: `batch`)."""
+    gen = torch.Generator().manual_seed(batch if seed is None else seed)
     return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
 
 
