@@ -8,6 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from extkv.engine.config import EngineConfig
+from extkv.engine.errors import RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.sampling_params import SamplingParams
@@ -80,11 +81,21 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         results: list[RequestOutput | None] = [None] * len(requests)
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step(finished_only=True):
-                    results[order[output.request_id]] = output
-                    bar.update(1)
+        try:
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step(finished_only=True):
+                        if output.error is not None:
+                            raise RequestFailedError(output.request_id, output.error)
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            # Whatever stopped this call (a failed request, Ctrl-C), none of its requests
+            # stays queued: the next call starts from an idle engine.
+            for request_id, i in order.items():
+                if results[i] is None:
+                    engine.abort_request(request_id)
+            raise
         return [r for r in results if r is not None]
 
     def _requests(

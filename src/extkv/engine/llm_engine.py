@@ -24,6 +24,7 @@ import torch
 from extkv.distributed import SINGLE
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
+from extkv.engine.errors import EngineDeadError, is_fatal
 from extkv.engine.model_runner import SampledTokens
 from extkv.engine.outputs import CompletionOutput, RequestOutput
 from extkv.engine.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class LLMEngine:
         self._requests: dict[str, tuple[Sequence, str | None]] = {}
         self._ids = itertools.count()
         self._in_flight: SampledTokens | None = None  # launched, tokens not read yet
+        self._closed = False
+        self._dead: BaseException | None = None  # the error that made the engine unusable
         self.report.startup_seconds = time.perf_counter() - start
         logger.info("Engine ready in %.2f s.", self.report.startup_seconds)
 
@@ -95,6 +98,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Validate and queue one request; return its id."""
+        self._check_usable()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         ids = list(prompt_token_ids)
@@ -135,34 +139,87 @@ class LLMEngine:
         """Launch the next scheduled step and read the tokens of the one before (or of
         this one, without asynchronous scheduling); return an output for every request
         that got a new token (`finished` tells which are done; only those carry text),
-        or with `finished_only` just for the finished ones (no per-step copies)."""
+        or with `finished_only` just for the finished ones (no per-step copies).
+
+        An error that only this step's requests met fails them (their outputs carry it,
+        `finish_reason` "error") and the engine carries on; one that leaves the engine
+        unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
+        self._check_usable()
+        try:
+            return self._step(finished_only)
+        except Exception as e:
+            if is_fatal(e):
+                self._dead = e
+                raise EngineDeadError(f"the engine cannot continue: {e}") from e
+            raise
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         launched = None
+        failed: list[RequestOutput] = []
         if batch is not None:
-            with self._ranks():
-                launched = self.runner.execute(batch)
-            self.scheduler.launched(batch, launched.seqs)
+            try:
+                with self._ranks():
+                    launched = self.runner.execute(batch)
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                failed = self._fail(batch.seqs, e)
+            else:
+                self.scheduler.launched(batch, launched.seqs)
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
-            return []
+            return failed
         tokens = launched.get()
         # Sequences finished or aborted since launch took no token (update skips them).
         advanced = [seq for seq in launched.seqs if seq.status != SequenceStatus.FINISHED]
         finished = set(self.scheduler.update(launched.seqs, tokens))
         if finished_only:
             advanced = [seq for seq in advanced if seq in finished]
-        outputs = [self._output(seq, seq in finished) for seq in advanced]
+        outputs = []
+        for seq in advanced:
+            try:
+                outputs.append(self._output(seq, seq in finished))
+            except Exception as e:  # e.g. detokenizing: this request's alone
+                failed += self._fail([seq], e)
         for seq in finished:
+            self._requests.pop(seq.request_id, None)
+        return outputs + failed
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """End `seqs` with `error` (their blocks freed); their final outputs."""
+        logger.error(
+            "A step failed for request(s) %s; failing them and carrying on: %r",
+            [seq.request_id for seq in seqs],
+            error,
+        )
+        outputs = []
+        for seq in seqs:
+            if seq.request_id not in self._requests:
+                continue  # already ended
+            self.scheduler.abort(seq.request_id, reason="error")
+            output = self._output(seq, finished=True, decode=False)
+            output.error = f"{type(error).__name__}: {error}"
+            outputs.append(output)
             del self._requests[seq.request_id]
         return outputs
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed (LLM.close() was called); build a new one")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine cannot continue: {self._dead}")
 
     def close(self) -> None:
         """Give the device memory back (graphs, KV cache, weights) before the process ends;
         stop the tensor-parallel workers."""
-        if self._in_flight is not None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._in_flight is not None and self._dead is None:
             self._in_flight.get()  # the device may still be writing the KV cache
-            self._in_flight = None
+        self._in_flight = None
         if self.workers is not None:
             self.workers.stop()
         self.runner.release()
@@ -170,10 +227,10 @@ class LLMEngine:
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _output(self, seq: Sequence, finished: bool) -> RequestOutput:
+    def _output(self, seq: Sequence, finished: bool, decode: bool = True) -> RequestOutput:
         tokens = list(seq.output_token_ids)
         text = None
-        if finished and self.tokenizer is not None:
+        if finished and decode and self.tokenizer is not None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         completion = CompletionOutput(0, tokens, text, seq.finish_reason)
         prompt = self._requests[seq.request_id][1]

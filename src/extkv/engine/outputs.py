@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
 
 
 @dataclass
@@ -20,3 +20,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None  # why the request failed (finish_reason "error")

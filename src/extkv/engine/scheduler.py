@@ -60,12 +60,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, "abort")
+                    self._finish(seq, reason)
                     return seq
         return None
 
