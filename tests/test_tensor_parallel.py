@@ -20,6 +20,7 @@ import torch
 
 from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.engine.errors import EngineDeadError
 from extkv.engine.workers import WorkerError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -161,10 +162,10 @@ def test_worker_killed_while_serving_is_reported(qwen3: Path) -> None:
     llm = LLM(qwen3, tensor_parallel_size=2, **QWEN3_OPTIONS)
     (pid,) = worker_pids()
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+    with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
         tokens(llm)
     assert not child_pids()
-    with pytest.raises(WorkerError):  # the engine stays failed, it does not hang
+    with pytest.raises(EngineDeadError):  # the engine stays failed, it does not hang
         tokens(llm)
     llm.close()
 
