@@ -54,7 +54,7 @@ def test_hybrid_preemption_recomputes_the_state(bamba: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = tokens(LLM(bamba, **OPTIONS), PROMPTS, params)
     roomy = LLM(bamba, **OPTIONS)
-    needs = roomy.engine.runner.needs
+    needs = roomy.engine.runner.kv_plan.needs
     assert needs.num_state_groups == 4 and needs.has_attention
     # Room for two sequences of one attention block each; the 30-token prompt grows
     # past its first block while another holds the rest, and is preempted.
@@ -69,7 +69,7 @@ def test_pure_mamba_with_few_blocks_queues_requests(mamba2: Path) -> None:
     """One state block per sequence and two blocks: requests wait their turn."""
     expected = tokens(LLM(mamba2, **OPTIONS), PROMPTS)
     tight = LLM(mamba2, num_gpu_blocks_override=2, **OPTIONS)
-    assert tight.engine.runner.needs.blocks_for(10_000) == 1
+    assert tight.engine.runner.kv_plan.needs.blocks_for(10_000) == 1
     assert tokens(tight, PROMPTS) == expected
     assert tight.engine.block_manager.num_used_blocks == 0
 
@@ -83,12 +83,21 @@ def test_hybrid_shares_pages_and_extends(bamba: Path, caplog: pytest.LogCaptureF
     assert f"Extended KV cache to {report['num_blocks']} blocks." in messages
     # Attention and Mamba layers share every buffer, each with one segment.
     assert set(report["kv_bytes_by_kind"]) == {"attention+mamba"}
-    assert report["block_size"] == llm.engine.config.block_size > 16
+    # The plan chose the block size; the configuration is left as the user gave it.
+    assert report["block_size"] == llm.engine.runner.kv_plan.block_size > 16
+    assert llm.engine.config.block_size == 16
     cache = llm.engine.kv_cache
     assert all(b.memory.num_segments == 1 for b in cache._buffers)
 
 
-def test_hybrid_with_more_attention_than_mamba_layers_is_refused(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=[0, 1, 3, 4])
-    with pytest.raises(ValueError, match=r"more attention layers \(4\) than Mamba layers \(1\)"):
-        LLM(tmp_path, **OPTIONS)
+@pytest.mark.parametrize("attention_layers", [[0, 1, 3, 4], [1, 2]])
+def test_hybrid_of_any_ratio_matches_transformers(
+    tmp_path: Path, attention_layers: list[int]
+) -> None:
+    """More attention layers than Mamba layers (4 + 1), and a ratio that leaves the last
+    Mamba group short (2 + 3): attention stays one group, so one block table."""
+    make_checkpoint(tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=attention_layers)
+    llm = LLM(tmp_path, max_num_batched_tokens=8, **OPTIONS)
+    groups = llm.engine.runner.kv_plan.groups
+    assert [g.spec.kind for g in groups].count("attention") == 1
+    assert tokens(llm, PROMPTS) == hf_greedy(tmp_path, PROMPTS, GREEDY.max_tokens)

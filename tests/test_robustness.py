@@ -30,13 +30,13 @@ def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) 
 
 
 def fail_steps_of(monkeypatch: pytest.MonkeyPatch, prompt: list[int], error: Exception) -> None:
-    """Make every step that computes `prompt`'s sequence raise `error` (a fault in its step)."""
+    """Make every step that prefills `prompt` raise `error` (a fault in its step)."""
     execute = ModelRunner.execute
 
-    def faulty(self, batch):
-        if any(seq.prompt_token_ids == prompt for seq in batch.seqs):
+    def faulty(self, plan):
+        if any(r.num_computed_tokens == 0 and r.token_ids == prompt for r in plan.requests):
             raise error
-        return execute(self, batch)
+        return execute(self, plan)
 
     monkeypatch.setattr(ModelRunner, "execute", faulty)
 

@@ -15,28 +15,17 @@ content until the pool hands it out again, least recently freed first.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from extkv.engine.sequence import Sequence
+from extkv.kv_cache.plan import BlockNeeds
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
 
 
-@dataclass(frozen=True)
-class BlockNeeds:
-    """What a sequence holds: attention blocks for its tokens (if the model has
-    attention) plus one state block per recurrent group."""
-
-    block_size: int
-    has_attention: bool = True
-    num_state_groups: int = 0
-
-    def blocks_for(self, num_tokens: int) -> int:
-        attention = -(-num_tokens // self.block_size) if self.has_attention else 0
-        return attention + self.num_state_groups
-
-
 class BlockManager:
+    """The pool of KV cache blocks: which sequence holds which, and (with prefix
+    caching) which computed blocks can be shared."""
+
     def __init__(self, num_blocks: int, needs: BlockNeeds, prefix_caching: bool = False) -> None:
         if prefix_caching and needs.num_state_groups:
             raise ValueError(

@@ -29,7 +29,7 @@ from extkv.engine.model_runner import SampledTokens
 from extkv.engine.outputs import CompletionOutput, RequestOutput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
-from extkv.engine.sequence import Sequence, SequenceStatus
+from extkv.engine.sequence import Sequence
 from extkv.engine.startup import MemoryReport, start_rank
 from extkv.engine.workers import start_workers
 
@@ -60,7 +60,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = facts.vocab_size
         self.block_manager = BlockManager(
-            self.report.num_blocks, self.runner.needs, config.enable_prefix_caching
+            self.report.num_blocks, self.runner.kv_plan.needs, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -119,10 +119,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, generator)
+        seq = Sequence(request_id, ids, params)
         self._requests[request_id] = (seq, prompt)
         self.scheduler.add(seq)
         return request_id
@@ -154,27 +151,27 @@ class LLMEngine:
             raise
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         launched = None
         failed: list[RequestOutput] = []
-        if batch is not None:
+        if plan is not None:
             try:
                 with self._ranks():
-                    launched = self.runner.execute(batch)
+                    launched = self.runner.execute(plan)
             except Exception as e:
                 if is_fatal(e):
                     raise
-                failed = self._fail(batch.seqs, e)
+                failed = self._fail([self._requests[r.request_id][0] for r in plan.requests], e)
             else:
-                self.scheduler.launched(batch, launched.seqs)
+                self.scheduler.launched(plan)
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         if launched is None:
             return failed
         tokens = launched.get()
-        # Sequences finished or aborted since launch took no token (update skips them).
-        advanced = [seq for seq in launched.seqs if seq.status != SequenceStatus.FINISHED]
-        finished = set(self.scheduler.update(launched.seqs, tokens))
+        # Requests finished or aborted since launch take no token (update skips them).
+        advanced = [self._requests[i][0] for i in launched.request_ids if i in self._requests]
+        finished = set(self.scheduler.update(launched.request_ids, tokens))
         if finished_only:
             advanced = [seq for seq in advanced if seq in finished]
         outputs = []

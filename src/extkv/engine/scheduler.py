@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.sequence import Sequence, SequenceStatus
+from extkv.engine.step_plan import ScheduledRequest, StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes this step
-    is_prefill: bool
-
-
 class Scheduler:
+    """Decides every step which requests run and how many tokens each computes, hands
+    out their blocks (preempting when they run out) and tracks them to the end; it
+    tells the runner by a `StepPlan`."""
+
     def __init__(
         self,
         block_manager: BlockManager,
@@ -53,9 +50,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._requests: dict[str, Sequence] = {}  # unfinished, by id
+        self._planned: list[Sequence] = []  # the last plan's, in its order
+        self._new: list[str] = []  # first scheduled in the plan being built
+        self._resumed: list[str] = []  # scheduled again after a preemption
+        self._finished: list[str] = []  # ended since the last plan
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._requests[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,10 +72,39 @@ class Scheduler:
                     return seq
         return None
 
-    def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+    def schedule(self) -> StepPlan | None:
+        """The next step (None: nothing can run); valid until the next call."""
+        step = self._schedule_prefill() or self._schedule_decode()
+        if step is None:
+            return None
+        seqs, counts, is_prefill = step
+        plan = StepPlan(
+            is_prefill,
+            [self._scheduled(seq, n) for seq, n in zip(seqs, counts, strict=True)],
+            new_request_ids=self._new,
+            resumed_request_ids=self._resumed,
+            finished_request_ids=self._finished,
+        )
+        self._planned, self._new, self._resumed, self._finished = seqs, [], [], []
+        return plan
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledRequest:
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        known = seq.token_ids[start:end]
+        state_blocks = tuple([block] for block in seq.state_blocks)
+        has_attention = self.block_manager.needs.has_attention
+        return ScheduledRequest(
+            request_id=seq.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=num_new_tokens,
+            token_ids=known,
+            pending=len(known) < num_new_tokens,
+            block_ids=(seq.block_table, *state_blocks) if has_attention else state_blocks,
+            sampling=seq.params if end == len(seq) else None,
+        )
+
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_num_batched_tokens
@@ -100,13 +132,14 @@ class Scheduler:
                 blocks.reuse(seq, cached)
             blocks.allocate(seq, computed + n)
             seq.status = SequenceStatus.RUNNING
+            (self._resumed if seq.num_preemptions else self._new).append(seq.request_id)
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+        return (seqs, counts, True) if seqs else None
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
         blocks = self.block_manager
         for seq in list(self.running):
@@ -122,7 +155,7 @@ class Scheduler:
                 continue
             elif self._make_room(seq, len(seq)):
                 seqs.append(seq)
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+        return (seqs, [1] * len(seqs), False) if seqs else None
 
     def _make_room(self, seq: Sequence, num_tokens: int, preempt_itself: bool = True) -> bool:
         """Give `seq` blocks for `num_tokens`, preempting younger sequences if needed.
@@ -144,24 +177,26 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens will be recomputed)", seq.request_id, len(seq))
 
-    def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
-        """Record that `batch` went to the device: its tokens count as computed, and each
-        of the `sampled` sequences has one more token pending."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+    def launched(self, plan: StepPlan) -> None:
+        """Record that `plan` (the last one made) went to the device: its tokens count as
+        computed, and each request it samples has one more token pending."""
+        for seq, request in zip(self._planned, plan.requests, strict=True):
+            seq.num_computed_tokens += request.num_new_tokens
             self.block_manager.remember_computed(seq)
-        for seq in sampled:
-            seq.num_pending += 1
+            if request.sampling is not None:
+                seq.num_pending += 1
 
-    def update(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+    def update(self, request_ids: list[str], tokens: list[int]) -> list[Sequence]:
         """Record the tokens a launched step sampled; return the sequences they finished."""
         finished = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            if seq.status == SequenceStatus.FINISHED:
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            seq = self._requests.get(request_id)
+            if seq is None:
                 continue  # aborted, or finished by a token of the step before
             seq.num_pending -= 1
             seq.token_ids.append(token)
@@ -192,3 +227,5 @@ class Scheduler:
         seq.finish_reason = reason
         seq.num_pending = 0  # a token still in flight is dropped when read
         self.block_manager.free(seq)
+        del self._requests[seq.request_id]
+        self._finished.append(seq.request_id)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from extkv.engine.sampling_params import SamplingParams
 
 
@@ -29,16 +27,15 @@ class Sequence:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator  # set for seeded requests: sampling independent of batching
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending = 0
+        self.num_preemptions = 0
         self.block_table: list[int] = []  # attention blocks, in token order
         self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks

@@ -32,15 +32,8 @@ from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.errors import StartupError
-from extkv.engine.model_runner import ModelRunner
-from extkv.kv_cache import (
-    AttentionLayout,
-    KVCache,
-    bytes_per_block,
-    get_layout,
-    hybrid_layout,
-    make_kv_cache_config,
-)
+from extkv.engine.model_runner import ModelRunner, make_kv_cache_plan
+from extkv.kv_cache import KVCache
 from extkv.models import ModelFacts, load_model, model_facts
 from extkv.vmm import VirtualMemoryError, allocation_granularity
 
@@ -151,7 +144,7 @@ REMEDY = (
 
 def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what: str) -> None:
     config = runner.config
-    needed = runner.needs.blocks_for(config.max_model_len)
+    needed = runner.kv_plan.needs.blocks_for(config.max_model_len)
     if num_blocks < needed:
         missing = (needed - num_blocks) * bytes_per_block
         raise StartupError(
@@ -183,7 +176,8 @@ def start_rank(
         load_seconds = time.perf_counter() - start
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
-        runner = ModelRunner(config, model, facts.vocab_size, group)
+        kv_plan = make_kv_cache_plan(model, config)
+        runner = ModelRunner(config, model, kv_plan, facts.vocab_size, group)
         cache, report = initialize_kv_cache(runner, config, free_at_start)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise _out_of_memory(config, e) from e
@@ -215,8 +209,7 @@ def initialize_kv_cache(
     runner: ModelRunner, config: EngineConfig, free_at_start: int
 ) -> tuple[KVCache, MemoryReport]:
     start = time.perf_counter()
-    groups = runner.kv_cache_groups()
-    per_block = bytes_per_block(groups)
+    per_block = runner.kv_plan.bytes_per_block
     peak = runner.profile_run()
     profile_seconds = time.perf_counter() - start
     budget, in_use = _memory_in_use(runner, config, free_at_start)
@@ -225,7 +218,7 @@ def initialize_kv_cache(
         margin = DEFAULT_CUDA_MARGIN_BYTES if config.device.type == "cuda" else 0
     report = MemoryReport(
         extensible=use_extensible(config),
-        block_size=config.block_size,
+        block_size=runner.kv_plan.block_size,
         bytes_per_block=per_block,
         weights_bytes=runner.weights_bytes(),
         activation_peak_bytes=peak,
@@ -259,20 +252,11 @@ def initialize_kv_cache(
     return cache, report
 
 
-def _layouts(runner: ModelRunner, config: EngineConfig) -> dict[str, AttentionLayout]:
-    """Every attention layer's layout; in a hybrid model re-strided so that K and V of
-    a block share one page, the page a Mamba state may take instead."""
-    layout = get_layout(config.kv_layout)
-    if runner.mixers:
-        layout = hybrid_layout(layout)
-    return dict.fromkeys(runner.attention_layers, layout)
-
-
 def _allocate(
     runner: ModelRunner, config: EngineConfig, num_blocks: int, extensible: bool
 ) -> KVCache:
-    kv_config = make_kv_cache_config(runner.kv_cache_groups(), num_blocks)
-    cache = KVCache(kv_config, _layouts(runner, config), config.device, extensible=extensible)
+    plan = runner.kv_plan
+    cache = KVCache(plan.buffers(num_blocks), plan.layouts, config.device, extensible=extensible)
     runner.bind_kv_cache(cache)
     return cache
 

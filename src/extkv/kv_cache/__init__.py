@@ -2,14 +2,14 @@
 config (which buffers exist and who shares them) and the cache (allocate, view, extend)."""
 
 from extkv.kv_cache.cache import KVCache, layer_segments
-from extkv.kv_cache.config import (
+from extkv.kv_cache.layouts import LAYOUTS, AttentionLayout, get_layout, hybrid_layout
+from extkv.kv_cache.plan import (
     KVCacheConfig,
     KVCacheGroup,
     KVCacheTensor,
     bytes_per_block,
     make_kv_cache_config,
 )
-from extkv.kv_cache.layouts import LAYOUTS, AttentionLayout, get_layout, hybrid_layout
 from extkv.kv_cache.specs import (
     AttentionSpec,
     FullAttentionSpec,

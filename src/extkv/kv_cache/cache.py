@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from extkv.kv_cache.config import KVCacheConfig, KVCacheTensor
 from extkv.kv_cache.layouts import AttentionLayout, mamba_state_views
+from extkv.kv_cache.plan import KVCacheConfig, KVCacheTensor
 from extkv.kv_cache.specs import KVCacheSpec, MambaSpec
 from extkv.vmm import (
     ExtensibleTensor,

@@ -1,22 +1,37 @@
-"""Which buffers the KV cache has, which layers share each, and what a block costs.
+"""The KV cache plan: decided once, from the model's layers, before anything is allocated.
+
+`plan_kv_cache` turns the layers that keep a cache (attention layers, Mamba
+mixers) into the KV cache groups, the block size, the page size of each group
+and each attention layer's layout; the runner, the block manager and the
+start-up flow all read that plan, and nothing changes it afterwards.
+`KVCachePlan.buffers(num_blocks)` then says which buffers exist at a block
+count, which layers share each, and what a block costs.
 
 Non-hybrid models get one buffer per layer. Hybrid attention + Mamba models
-share buffers across kinds: all groups are cut to the same number of layers
-`n`, there are `n` buffers, and buffer `j` is shared by the `j`-th layer of
-every group. All specs then have one page size (Mamba pages are padded up to
-the attention page), and a block id belongs to one group at a time, so layers
-sharing a buffer never touch the same page. This wastes no memory whichever
-kind a block is handed to.
+share buffers across kinds: the Mamba layers are cut into groups of as many
+layers as there are attention layers (`n`; fewer in the last one), there are
+`n` buffers, and buffer `j` is shared by the `j`-th layer of every group. All
+specs then have one page size (Mamba pages are padded up to the attention
+page), and a block id belongs to one group at a time, so layers sharing a
+buffer never touch the same page. Attention layers stay one group (one block
+table per sequence) whatever the ratio of the two kinds.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from extkv.kv_cache.specs import KVCacheSpec, MambaSpec
+import torch
+
+from extkv.kv_cache.layouts import AttentionLayout, get_layout, hybrid_layout
+from extkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,8 @@ def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
 
 
 def _hybrid_groups(groups: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:
-    """Give every group the attention page size and cut all groups to the smallest's length."""
+    """Give every group the attention page size and cut the groups into pieces of at most
+    as many layers as the attention group has (cutting twice changes nothing)."""
     pages = {g.spec.page_size_bytes for g in groups if g.spec.kind == "attention"}
     if len(pages) != 1:
         raise ValueError(
@@ -125,9 +141,124 @@ def _hybrid_groups(groups: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:
                 )
             spec = replace(spec, page_size_padded=page)
         padded.append(KVCacheGroup(group.layer_names, spec))
-    width = min(len(group.layer_names) for group in padded)
+    width = sum(len(g.layer_names) for g in padded if g.spec.kind == "attention")
     return [
         KVCacheGroup(group.layer_names[i : i + width], group.spec)
         for group in padded
         for i in range(0, len(group.layer_names), width)
     ]
+
+
+class AttentionLayer(Protocol):
+    """What the plan reads of an attention layer."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+class StateLayer(Protocol):
+    """What the plan reads of a recurrent (Mamba) layer: its per-sequence state."""
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]: ...
+
+    def state_dtypes(self) -> tuple[torch.dtype, ...]: ...
+
+
+@dataclass(frozen=True)
+class BlockNeeds:
+    """What a sequence holds: attention blocks for its tokens (if the model has
+    attention) plus one state block per recurrent group."""
+
+    block_size: int
+    has_attention: bool = True
+    num_state_groups: int = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        attention = -(-num_tokens // self.block_size) if self.has_attention else 0
+        return attention + self.num_state_groups
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The KV cache of one model, decided before anything is allocated: its groups (the
+    attention group first, then the recurrent-state groups), block size, page size and
+    the layout of every attention layer."""
+
+    groups: tuple[KVCacheGroup, ...]
+    layouts: dict[str, AttentionLayout]
+    needs: BlockNeeds
+
+    @property
+    def block_size(self) -> int:
+        return self.needs.block_size
+
+    @property
+    def state_groups(self) -> list[KVCacheGroup]:
+        return [group for group in self.groups if group.spec.kind == "mamba"]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one more block costs across all buffers: size the cache as `available // this`."""
+        return bytes_per_block(self.groups)
+
+    def buffers(self, num_blocks: int) -> KVCacheConfig:
+        """The buffers at `num_blocks` blocks, and which layers share each."""
+        return make_kv_cache_config(self.groups, num_blocks)
+
+
+def plan_kv_cache(
+    attention: Mapping[str, AttentionLayer],
+    state: Mapping[str, StateLayer],
+    dtype: torch.dtype,
+    block_size: int,
+    kv_layout: str,
+) -> KVCachePlan:
+    """Group the layers that keep a cache and fix the block size and layouts.
+
+    A hybrid model shares pages between attention and Mamba state, so an attention
+    page must hold a whole state: the block size is raised to the next power of two
+    that does, and the attention layers are re-strided so that K and V of a block lie
+    in one page (one segment; see layouts.hybrid_layout)."""
+    if not attention and not state:
+        raise ValueError("the model has no layer that keeps a KV cache or a recurrent state")
+
+    def attention_spec(size: int) -> FullAttentionSpec:
+        first = next(iter(attention.values()))
+        return FullAttentionSpec(size, first.num_kv_heads, first.head_dim, dtype)
+
+    def state_spec(size: int) -> MambaSpec:
+        first = next(iter(state.values()))
+        return MambaSpec(size, first.state_shapes(), first.state_dtypes())
+
+    groups: list[KVCacheGroup] = []
+    layout = get_layout(kv_layout)
+    if attention and state:
+        block_size = _block_size_holding(attention_spec(block_size), state_spec(block_size))
+        layout = hybrid_layout(layout)
+    if attention:
+        groups.append(KVCacheGroup(list(attention), attention_spec(block_size)))
+    if state:
+        groups.append(KVCacheGroup(list(state), state_spec(block_size)))
+    groups = make_kv_cache_config(groups, 1).groups  # hybrids: cut into page-sharing groups
+    needs = BlockNeeds(
+        block_size,
+        has_attention=bool(attention),
+        num_state_groups=sum(group.spec.kind == "mamba" for group in groups),
+    )
+    return KVCachePlan(tuple(groups), dict.fromkeys(attention, layout), needs)
+
+
+def _block_size_holding(attention: FullAttentionSpec, state: MambaSpec) -> int:
+    """The block size whose attention page holds one whole state: the configured one, or
+    the next power of two above it that does."""
+    if state.page_size_bytes <= attention.page_size_bytes:
+        return attention.block_size
+    per_token = attention.page_size_bytes // attention.block_size
+    block_size = 1 << (-(-state.page_size_bytes // per_token) - 1).bit_length()
+    logger.info(
+        "Raised block_size from %d to %d so that one attention page holds a %d-byte Mamba state.",
+        attention.block_size,
+        block_size,
+        state.page_size_bytes,
+    )
+    return block_size

@@ -153,7 +153,7 @@ class Mamba2Mixer(nn.Module):
 
     def _state_indices(self, metadata: AttentionMetadata) -> torch.Tensor:
         """This layer's state rows: hybrid models cut Mamba layers into groups (see
-        extkv.kv_cache.config), each with its own state block per sequence."""
+        extkv.kv_cache.plan), each with its own state block per sequence."""
         return metadata.state_indices[self.state_group]
 
     def _bound(self, metadata: AttentionMetadata) -> bool:

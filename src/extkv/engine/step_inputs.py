@@ -1,0 +1,238 @@
+"""A step's model inputs: built once from the plan, staged into persistent device buffers.
+
+`build_step_inputs` turns a `StepPlan` into a few small host arrays (the driver
+sends them to every tensor-parallel rank). `InputBuffers` is the one place
+they go on the device: a pinned host buffer and its device twin, filled by one
+copy per step. Eager steps and CUDA-graph replays read the same buffers; a
+graph of batch size `bs` was captured against the views of a `bs`-row step
+(`StepShape.decode(bs, ...)`), so staging a decode step padded to `bs` rows is
+all a replay needs.
+
+The layout of the buffer depends only on the step's shape, and a step's arrays
+are packed at its start, so the copy moves no byte more than the step uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+import torch
+
+from extkv.attention import AttentionMetadata
+from extkv.engine.step_plan import StepPlan
+from extkv.kv_cache.plan import BlockNeeds
+
+TOKEN_ROWS = 4  # input ids, positions, cache slots, token sources
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How many tokens, sequences and block-table columns a staged step spans."""
+
+    num_tokens: int
+    num_seqs: int
+    width: int
+
+    @classmethod
+    def decode(cls, batch_size: int, width: int) -> StepShape:
+        return cls(batch_size, batch_size, width)
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs as host int32 arrays, before any padding.
+
+    `tokens` rows: input id, position, cache slot (-1: no write), token source (>= 0:
+    the input token is still on the device, row `source` of the tokens the previous
+    step sampled). `seqs` rows: context length, whether the sequence continues an
+    earlier step (its recurrent state is carried), then its state block in each
+    recurrent group. `cu_seqlens` has num_seqs + 1 entries."""
+
+    is_prefill: bool
+    tokens: np.ndarray  # (4, num_tokens)
+    cu_seqlens: np.ndarray  # (num_seqs + 1,)
+    seqs: np.ndarray  # (2 + num_state_groups, num_seqs)
+    block_tables: np.ndarray  # (num_seqs, width), 0-padded
+    sample_rows: np.ndarray  # token rows whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqs.shape[1]
+
+
+def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, int]) -> StepInputs:
+    """The host arrays of `plan`; `last_rows` says where each request's pending token is
+    among the tokens the previous step sampled."""
+    requests = plan.requests
+    counts = np.array([r.num_new_tokens for r in requests], dtype=np.int64)
+    starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    cu_seqlens = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu_seqlens[1:])
+    num_tokens = int(cu_seqlens[-1])
+    tokens = np.empty((TOKEN_ROWS, num_tokens), dtype=np.int64)
+    tokens[0] = np.fromiter(
+        (t for r in requests for t in (*r.token_ids, *[0] * r.pending)), np.int64, num_tokens
+    )
+    seq_of_token = np.repeat(np.arange(len(requests)), counts)
+    positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
+    tokens[1] = positions
+    tokens[3] = -1
+    pending = [i for i, r in enumerate(requests) if r.pending]
+    if pending:
+        tokens[3, cu_seqlens[1:][pending] - 1] = [
+            last_rows[requests[i].request_id] for i in pending
+        ]
+    num_groups = needs.num_state_groups
+    first_state = 1 if needs.has_attention else 0
+    if needs.has_attention:
+        rows = [r.block_ids[0] for r in requests]
+        width = max(map(len, rows), default=0)
+        tables = np.zeros((len(requests), width), dtype=np.int64)
+        for i, row in enumerate(rows):
+            tables[i, : len(row)] = row
+        size = needs.block_size
+        tokens[2] = tables[seq_of_token, positions // size] * size + positions % size
+    else:
+        tables = np.zeros((len(requests), 0), dtype=np.int64)
+        tokens[2] = -1  # pure Mamba: the state is one block, not a slot per token
+    seqs = np.empty((2 + num_groups, len(requests)), dtype=np.int64)
+    seqs[0] = starts + counts
+    seqs[1] = starts > 0
+    for g in range(num_groups):
+        seqs[2 + g] = [r.block_ids[first_state + g][0] for r in requests]
+    sampled = [r.sampling is not None for r in requests]
+    return StepInputs(
+        is_prefill=plan.is_prefill,
+        tokens=tokens.astype(np.int32),
+        cu_seqlens=cu_seqlens.astype(np.int32),
+        seqs=seqs.astype(np.int32),
+        block_tables=tables.astype(np.int32),
+        sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
+    )
+
+
+@dataclass
+class StepViews:
+    """Device views of one staged step, named as the model side uses them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_sources: torch.Tensor
+    cu_seqlens: torch.Tensor
+    context_lens: torch.Tensor
+    has_initial_state: torch.Tensor  # int32, != 0: the state carries over
+    state_indices: torch.Tensor | None  # (num_state_groups, num_seqs)
+    sample_rows: torch.Tensor
+    block_tables: torch.Tensor
+
+    def metadata(
+        self, is_prefill: bool, max_seqlen_q: int, max_context_len: int
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=self.slot_mapping,
+            cu_seqlens_q=self.cu_seqlens,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables,
+            max_seqlen_q=max_seqlen_q,
+            max_context_len=max_context_len,
+            state_indices=self.state_indices,
+            has_initial_state=None if self.state_indices is None else self.has_initial_state != 0,
+        )
+
+
+class InputBuffers:
+    """The persistent host and device buffers every step's inputs go through."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_width: int,
+        num_state_groups: int,
+        device: torch.device,
+    ) -> None:
+        self.num_state_groups = num_state_groups
+        self.max_width = max_width
+        self._max = StepShape(max_tokens, max_seqs, max_width)
+        size = self._size(self._max)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+        self.staged = torch.zeros(size, dtype=torch.int32, device=device)
+        self._host = self.host.numpy()
+        # Set once the last copy out of the host buffer is done: with asynchronous
+        # scheduling the next step is staged while the device may not have read it yet.
+        self._sent = torch.cuda.Event() if pinned else None
+
+    def _size(self, shape: StepShape) -> int:
+        t, s, w = shape.num_tokens, shape.num_seqs, shape.width
+        return TOKEN_ROWS * t + (s + 1) + (2 + self.num_state_groups) * s + s + s * w
+
+    def _split(self, buffer: torch.Tensor | np.ndarray, shape: StepShape, num_sampled: int):
+        t, s, w = shape.num_tokens, shape.num_seqs, shape.width
+        sizes = [TOKEN_ROWS * t, s + 1, (2 + self.num_state_groups) * s, s, s * w]
+        offsets = np.cumsum([0, *sizes])
+        tokens, cu, seqs, sample, tables = (buffer[a:b] for a, b in pairwise(offsets))
+        return (
+            tokens.reshape(TOKEN_ROWS, t),
+            cu,
+            seqs.reshape(2 + self.num_state_groups, s),
+            sample[:num_sampled],
+            tables.reshape(s, w),
+        )
+
+    def fits(self, shape: StepShape) -> bool:
+        return (
+            shape.num_tokens <= self._max.num_tokens
+            and shape.num_seqs <= self._max.num_seqs
+            and shape.width <= self._max.width
+        )
+
+    def views(self, shape: StepShape, num_sampled: int) -> StepViews:
+        tokens, cu, seqs, sample, tables = self._split(self.staged, shape, num_sampled)
+        return StepViews(
+            input_ids=tokens[0],
+            positions=tokens[1],
+            slot_mapping=tokens[2],
+            token_sources=tokens[3],
+            cu_seqlens=cu,
+            context_lens=seqs[0],
+            has_initial_state=seqs[1],
+            state_indices=seqs[2:] if self.num_state_groups else None,
+            sample_rows=sample,
+            block_tables=tables,
+        )
+
+    def stage(self, inputs: StepInputs, shape: StepShape) -> StepViews:
+        """Write `inputs` into the host buffer, padded to `shape`, and send them with one
+        copy. Padding rows write nothing (slot -1, state row -1), take their token from
+        the ids row and attend to one token of block 0, which both KV cache paths always
+        have committed."""
+        if self._sent is not None:
+            self._sent.synchronize()
+        n, s = inputs.num_tokens, inputs.num_seqs
+        width = inputs.block_tables.shape[1]
+        tokens, cu, seqs, sample, tables = self._split(self._host, shape, len(inputs.sample_rows))
+        tokens[:, :n] = inputs.tokens
+        tokens[:, n:] = ((0,), (0,), (-1,), (-1,))
+        cu[: s + 1] = inputs.cu_seqlens
+        cu[s + 1 :] = inputs.cu_seqlens[-1] + np.arange(1, shape.num_seqs - s + 1)
+        seqs[:, :s] = inputs.seqs
+        seqs[:2, s:] = ((1,), (1,))
+        seqs[2:, s:] = -1
+        sample[:] = inputs.sample_rows
+        tables[:s, :width] = inputs.block_tables
+        tables[:s, width:] = 0
+        tables[s:] = 0
+        used = self._size(shape)
+        self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        if self._sent is not None:
+            self._sent.record(torch.cuda.current_stream(self.staged.device))
+        return self.views(shape, len(inputs.sample_rows))

@@ -1,0 +1,63 @@
+"""What the scheduler tells the model runner about one step: plain data, no `Sequence`.
+
+The scheduler owns requests (their tokens, blocks and progress); the runner owns
+the device (weights, KV cache, input buffers, sampling state). A `StepPlan` is
+the whole contract between them, built once per step and read once by the
+runner while it launches the step, so the runner never looks at a request's
+bookkeeping and each side can change without the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from extkv.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of a step: `num_new_tokens` tokens starting at position
+    `num_computed_tokens` (the tokens before it have their KV in the cache).
+
+    `token_ids` are the new tokens the host knows. With asynchronous scheduling the
+    last one may still be on the device, sampled by the step before (`pending`): then
+    `token_ids` has one fewer entry and the runner takes that token from its own
+    record of the previous step's samples."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: list[int]
+    pending: bool
+    block_ids: tuple[list[int], ...]  # per KV cache group (see KVCachePlan.groups)
+    sampling: SamplingParams | None  # set when this step samples the request's next token
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this step has run."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: all prefill (prompts or prompt chunks) or all decode (one token each).
+
+    `new_request_ids` are scheduled for the first time, `resumed_request_ids` again
+    after a preemption (their KV is recomputed from position 0), and
+    `finished_request_ids` ended since the previous plan (finished or aborted): the
+    runner drops what it kept for them."""
+
+    is_prefill: bool
+    requests: list[ScheduledRequest]
+    new_request_ids: list[str] = field(default_factory=list)
+    resumed_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(request.num_new_tokens for request in self.requests)
+
+    @property
+    def sampled(self) -> list[ScheduledRequest]:
+        """The requests whose next token this step samples, in batch order."""
+        return [request for request in self.requests if request.sampling is not None]
