@@ -49,6 +49,9 @@ DEFAULT_CUDA_MARGIN_BYTES = 256 << 20
 
 @dataclass
 class MemoryReport:
+    """What start-up decided and measured: the KV cache's size and where the memory and
+    the time went (`LLM.memory_report()` returns it as a dict)."""
+
     extensible: bool
     block_size: int
     bytes_per_block: int
@@ -56,8 +59,10 @@ class MemoryReport:
     activation_peak_bytes: int
     available_bytes: int
     margin_bytes: int
-    num_blocks: int = 0
-    capacity_blocks: int = 0
+    # Committed: blocks the engine can hand out now. Capacity: blocks the reserved
+    # address space holds (extensible), or the committed count (legacy).
+    num_blocks_committed: int = 0
+    num_blocks_capacity: int = 0
     kv_cache_bytes: int = 0
     kv_reserved_bytes: int = 0
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
@@ -74,8 +79,14 @@ class MemoryReport:
     capture_seconds: float = 0.0
     extend_seconds: float = 0.0
 
+    @property
+    def num_blocks(self) -> int:
+        """The blocks in use now: `num_blocks_committed`."""
+        return self.num_blocks_committed
+
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields, plus `num_blocks` (= `num_blocks_committed`) as earlier reports had."""
+        return {**asdict(self), "num_blocks": self.num_blocks}
 
 
 def use_extensible(config: EngineConfig) -> bool:
@@ -236,8 +247,8 @@ def initialize_kv_cache(
         report.available_bytes / GiB,
     )
     flow = _extensible_flow if report.extensible else _legacy_flow
-    cache, report.num_blocks = flow(runner, config, report)
-    report.capacity_blocks = cache.capacity_blocks
+    cache, report.num_blocks_committed = flow(runner, config, report)
+    report.num_blocks_capacity = cache.capacity_blocks
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
     report.kv_bytes_by_kind = cache.bytes_by_kind()
