@@ -31,6 +31,7 @@ from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
 from extkv.engine.sequence import Sequence
 from extkv.engine.startup import MemoryReport, start_rank
+from extkv.engine.stats import EngineStats
 from extkv.engine.workers import start_workers
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,23 @@ class LLMEngine:
     @property
     def memory_report(self) -> MemoryReport:
         return self.report
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state for metrics (cheap: call it every step)."""
+        blocks = self.block_manager
+        return EngineStats(
+            num_blocks_committed=blocks.num_blocks,
+            num_blocks_capacity=self.report.num_blocks_capacity,
+            num_blocks_used=blocks.num_used_blocks,
+            kv_reserved_bytes=self.kv_cache.reserved_bytes,
+            kv_committed_bytes=self.kv_cache.committed_bytes,
+            graph_pool_bytes=self.report.graph_pool_bytes,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_cached_prompt_tokens=blocks.num_cached_tokens,
+            num_steps=self.runner.num_steps,
+        )
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
