@@ -33,9 +33,11 @@ class Kind:
     metavar: str = "VALUE"  # how --help names the flag's value
 
     def describe(self) -> str:
+        """The allowed values in words, for `--help` and for the error that `check` raises."""
         raise NotImplementedError
 
     def accepts(self, value: object) -> bool:
+        """Whether `value` is allowed as it stands; `check` turns a no into the error."""
         raise NotImplementedError
 
     def parse(self, text: str) -> object:
@@ -69,14 +71,17 @@ class Int(Kind):
     metavar = "N"
 
     def describe(self) -> str:
+        """The range in words; the int64 bound reads as 2**63."""
         if self.maximum == INT64_MAX:
             return f"an int in [{self.minimum}, 2**63)"
         return f"an int in [{self.minimum}, {self.maximum}]"
 
     def accepts(self, value: object) -> bool:
+        """An int, not a bool, inside the range."""
         return _is_int(value) and self.minimum <= value <= self.maximum
 
     def parse(self, text: str) -> object:
+        """The text as an int; other text is left for `check` to refuse by name."""
         try:
             return int(text)
         except ValueError:
@@ -94,22 +99,26 @@ class Float(Kind):
     metavar = "X"
 
     def describe(self) -> str:
+        """The range in words, its open or closed minimum shown."""
         low = "(" if self.above_minimum else "["
         if self.maximum == math.inf:
             return f"a number {'>' if self.above_minimum else '>='} {self.minimum:g}"
         return f"a number in {low}{self.minimum:g}, {self.maximum:g}]"
 
     def accepts(self, value: object) -> bool:
+        """A finite int or float (no bool, no NaN or inf) inside the range."""
         if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
             return False
         above = value > self.minimum if self.above_minimum else value >= self.minimum
         return above and value <= self.maximum
 
     def check(self, name: str, value: object) -> object:
+        """As `Kind.check`, but an int comes back as a float, so the field's type holds."""
         value = super().check(name, value)
         return None if value is None else float(value)
 
     def parse(self, text: str) -> object:
+        """The text as a float; other text is left for `check` to refuse by name."""
         try:
             return float(text)
         except ValueError:
@@ -118,19 +127,24 @@ class Float(Kind):
 
 @dataclass(frozen=True)
 class Bool(Kind):
+    """True or False (on the command line also on/off, yes/no, 1/0); never 0 or 1 as ints."""
+
     optional: bool = False
     metavar = "BOOL"
 
     def describe(self) -> str:
+        """The allowed values in words, None included when optional."""
         return "True, False or None" if self.optional else "True or False"
 
     def _allowed(self) -> str:
         return self.describe()
 
     def accepts(self, value: object) -> bool:
+        """Only a real bool: the ints 1 and 0 are refused."""
         return isinstance(value, bool)
 
     def parse(self, text: str) -> object:
+        """true/on/yes/1 or false/off/no/0 in any case; other text is left for `check` to refuse."""
         lowered = text.lower()
         return True if lowered in _TRUE else False if lowered in _FALSE else text
 
@@ -144,12 +158,15 @@ class Choice(Kind):
     metavar = "CHOICE"
 
     def describe(self) -> str:
+        """The choices as their reprs, so that strings show quoted."""
         return "one of " + ", ".join(map(repr, self.choices))
 
     def accepts(self, value: object) -> bool:
+        """Whether `value` is one of the choices (a bool choice only matches that bool)."""
         return any(value is c if isinstance(c, bool) else value == c for c in self.choices)
 
     def parse(self, text: str) -> object:
+        """The choice whose text matches, ignoring case; bool choices take the usual words too."""
         lowered = text.lower()
         for choice in self.choices:
             if isinstance(choice, bool):
@@ -162,13 +179,17 @@ class Choice(Kind):
 
 @dataclass(frozen=True)
 class Text(Kind):
+    """Any non-empty string (a path, a model name); the empty string is refused."""
+
     optional: bool = False
     metavar = "TEXT"
 
     def describe(self) -> str:
+        """The allowed values in words, for `--help` and errors."""
         return "a non-empty string"
 
     def accepts(self, value: object) -> bool:
+        """A str that is not empty."""
         return isinstance(value, str) and value != ""
 
 
@@ -179,14 +200,17 @@ class Texts(Kind):
     metavar = "TEXT"
 
     def describe(self) -> str:
+        """The allowed values in words, for `--help` and errors."""
         return "a list of non-empty strings"
 
     def accepts(self, value: object) -> bool:
+        """A list or tuple whose every item is a non-empty str."""
         return isinstance(value, list | tuple) and all(
             isinstance(v, str) and v != "" for v in value
         )
 
     def check(self, name: str, value: object) -> object:
+        """As `Kind.check`, but always a tuple: an option's value is immutable."""
         return tuple(super().check(name, value))
 
 
@@ -199,9 +223,11 @@ class Custom(Kind):
     metavar: str = "VALUE"
 
     def describe(self) -> str:
+        """The description given, since only the resolver knows what it takes."""
         return self.description
 
     def check(self, name: str, value: object) -> object:
+        """The resolver's result; it, not `accepts`, decides and names what is wrong."""
         return self.resolve(value)
 
 
@@ -256,6 +282,7 @@ def check_names(cls: type, names: Iterable[str], what: str) -> None:
 
 
 def flag_of(f: dataclasses.Field) -> str:
+    """The field's command-line flag: its declared `flag`, else `--field-name`."""
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 

@@ -43,6 +43,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks some sequence holds now; free blocks that still cache content do not count."""
         return self.num_blocks - len(self._free)
 
     # --- prefix caching ------------------------------------------------------------------
@@ -104,6 +105,7 @@ class BlockManager:
         return max(missing, 0) <= free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give `seq` the blocks it lacks for `num_tokens` tokens; raises if too few are free."""
         missing = self.blocks_missing(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"{missing} blocks needed, {len(self._free)} free")
@@ -114,6 +116,7 @@ class BlockManager:
         seq.block_table.extend(self._take_free() for _ in range(missing))
 
     def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s hold on its blocks; one left unheld is free but keeps its cached content."""
         for block in (*seq.block_table, *seq.state_blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:

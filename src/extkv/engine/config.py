@@ -180,6 +180,7 @@ class EngineConfig:
             )
 
     def replace(self, **changes: object) -> EngineConfig:
+        """A copy with `changes`, checked again as a new config would be."""
         return dataclasses.replace(self, **changes)
 
     def for_rank(self, rank: int) -> EngineConfig:

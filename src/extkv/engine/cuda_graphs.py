@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Sizes to capture: 1, 2, 4, 8, every 16, and `max_num_seqs`, so padding stays small."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return [*sizes, max_num_seqs]
@@ -63,10 +64,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, bs: int) -> None:
+        """Decode the staged inputs at padded size `bs`: a replay on CUDA, eager elsewhere."""
         if self._capture:
             self.graphs[bs].replay()
         else:
             self._decode(bs)
 
     def release(self) -> None:
+        """Drop the graphs so that their memory pool can go back to the device."""
         self.graphs.clear()

@@ -42,6 +42,7 @@ class LLM:
         return llm
 
     def memory_report(self) -> dict[str, object]:
+        """How start-up spent memory and time (KV cache, graph pool, blocks) as a plain dict."""
         return self.engine.memory_report.as_dict()
 
     def close(self) -> None:
@@ -49,6 +50,7 @@ class LLM:
         self.engine.close()
 
     def get_tokenizer(self):  # -> PreTrainedTokenizerBase | None
+        """The checkpoint's tokenizer, or None where the folder has none (token ids only)."""
         return self.engine.tokenizer
 
     def generate(

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
+    """One completion of a request (index 0: one per request); `text` only once finished."""
+
     index: int
     token_ids: list[int]
     text: str | None
@@ -15,6 +17,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request's progress as `step` reports it and its result as `generate` returns it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -27,6 +27,8 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 class Sampler:
+    """Picks each sequence's next token on the device; greedy rows skip the sampling work."""
+
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed of their own
 

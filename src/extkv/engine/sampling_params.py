@@ -45,4 +45,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether to take the argmax: temperatures this low would overflow float32 logits."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE

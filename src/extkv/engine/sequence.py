@@ -8,6 +8,8 @@ from extkv.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Which scheduler queue a sequence is in, or that it is done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -46,14 +48,17 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens; they stay the first `num_prompt_tokens` of `token_ids`."""
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The tokens generated so far that the host has seen (not the pending ones)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet, pending ones included: 1 means a decode."""
         return len(self) - self.num_computed_tokens
 
     def slot(self, position: int, block_size: int) -> int:

@@ -37,6 +37,7 @@ class StepShape:
 
     @classmethod
     def decode(cls, batch_size: int, width: int) -> StepShape:
+        """The shape of a decode of `batch_size` rows: one token per sequence."""
         return cls(batch_size, batch_size, width)
 
 
@@ -59,10 +60,12 @@ class StepInputs:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the step, before padding."""
         return self.tokens.shape[1]
 
     @property
     def num_seqs(self) -> int:
+        """Sequences in the step, before padding."""
         return self.seqs.shape[1]
 
 
@@ -135,6 +138,7 @@ class StepViews:
     def metadata(
         self, is_prefill: bool, max_seqlen_q: int, max_context_len: int
     ) -> AttentionMetadata:
+        """This step's attention metadata over these views; state fields only with state groups."""
         return AttentionMetadata(
             is_prefill=is_prefill,
             slot_mapping=self.slot_mapping,
@@ -189,6 +193,7 @@ class InputBuffers:
         )
 
     def fits(self, shape: StepShape) -> bool:
+        """Whether a step of `shape` fits the buffers sized at start-up."""
         return (
             shape.num_tokens <= self._max.num_tokens
             and shape.num_seqs <= self._max.num_seqs
@@ -196,6 +201,7 @@ class InputBuffers:
         )
 
     def views(self, shape: StepShape, num_sampled: int) -> StepViews:
+        """Device views of a step of `shape`: the same addresses each time, as graphs need."""
         tokens, cu, seqs, sample, tables = self._split(self.staged, shape, num_sampled)
         return StepViews(
             input_ids=tokens[0],

@@ -55,6 +55,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the step feeds the model over all requests: what the token budget caps."""
         return sum(request.num_new_tokens for request in self.requests)
 
     @property

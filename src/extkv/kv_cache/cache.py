@@ -215,12 +215,14 @@ class KVCache:
 
     @property
     def reserved_bytes(self) -> int:
+        """Address space held for every block the cache may grow to (legacy: all committed)."""
         return sum(
             b.data.numel() if b.memory is None else b.memory.capacity_bytes for b in self._buffers
         )
 
     @property
     def committed_bytes(self) -> int:
+        """Physical bytes the buffers hold now, granule rounding included."""
         return sum(b.committed_bytes for b in self._buffers)
 
     def bytes_by_kind(self) -> dict[str, int]:

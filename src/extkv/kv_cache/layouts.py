@@ -28,6 +28,8 @@ _CANONICAL_KV = ("blocks", "block_size", "heads", "head")  # what kv_views retur
 
 @dataclass(frozen=True)
 class AttentionLayout:
+    """How one layer's attention cache is laid out: logical dims, optionally a physical order."""
+
     name: str
     dims: tuple[str, ...]
     stride_order: tuple[int, ...] | None = None
@@ -59,6 +61,7 @@ class AttentionLayout:
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
+        """The logical shape of a layer's cache in this layout's dims; dims it lacks are dropped."""
         sizes = {
             "kv": 2,
             "blocks": num_blocks,
@@ -70,15 +73,18 @@ class AttentionLayout:
 
     @property
     def block_dim(self) -> int:
+        """Which logical dim indexes blocks, the one a cache grows along."""
         return self.dims.index("blocks")
 
     @property
     def physical_order(self) -> tuple[int, ...]:
+        """Dims outermost first in memory; the logical order when no stride order is given."""
         return self.stride_order or tuple(range(len(self.dims)))
 
     def num_segments(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> int:
+        """Runs of blocks in the buffer, each grown on its own: dims physically outside blocks."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
         order = self.physical_order
         outer = order[: order.index(self.block_dim)]
@@ -126,6 +132,7 @@ LAYOUTS = {
 
 
 def get_layout(name: str) -> AttentionLayout:
+    """The named layout (the `kv_layout` option), or an error listing the known names."""
     if name not in LAYOUTS:
         raise ValueError(f"kv_layout must be one of {sorted(LAYOUTS)}, got {name!r}")
     return LAYOUTS[name]

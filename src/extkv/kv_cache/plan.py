@@ -52,6 +52,8 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
+    """The buffers at one block count and the groups viewing them, checked to agree on sizes."""
+
     num_blocks: int
     tensors: list[KVCacheTensor]
     groups: list[KVCacheGroup]
@@ -80,6 +82,7 @@ class KVCacheConfig:
                     )
 
     def layer_specs(self) -> dict[str, KVCacheSpec]:
+        """Each layer's spec by name, as the groups assign them."""
         return {name: group.spec for group in self.groups for name in group.layer_names}
 
 
@@ -159,9 +162,13 @@ class AttentionLayer(Protocol):
 class StateLayer(Protocol):
     """What the plan reads of a recurrent (Mamba) layer: its per-sequence state."""
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]: ...
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the per-sequence states, in page order."""
+        ...
 
-    def state_dtypes(self) -> tuple[torch.dtype, ...]: ...
+    def state_dtypes(self) -> tuple[torch.dtype, ...]:
+        """One dtype per state in `state_shapes`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class BlockNeeds:
     num_state_groups: int = 0
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds; what the scheduler must find free."""
         attention = -(-num_tokens // self.block_size) if self.has_attention else 0
         return attention + self.num_state_groups
 
@@ -190,10 +198,12 @@ class KVCachePlan:
 
     @property
     def block_size(self) -> int:
+        """Tokens per block, raised in a hybrid so that one attention page holds a state."""
         return self.needs.block_size
 
     @property
     def state_groups(self) -> list[KVCacheGroup]:
+        """The recurrent-state groups, each needing one block per sequence."""
         return [group for group in self.groups if group.spec.kind == "mamba"]
 
     @property

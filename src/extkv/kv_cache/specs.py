@@ -44,6 +44,7 @@ class FullAttentionSpec:
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one block: K and V for `block_size` tokens."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
 
@@ -76,6 +77,7 @@ class MLASpec:
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one block: one latent for `block_size` tokens."""
         return self.block_size * self.head_size * self.dtype.itemsize
 
 
@@ -140,6 +142,7 @@ class MambaSpec:
 
     @property
     def state_nbytes(self) -> tuple[int, ...]:
+        """Bytes of each state, in the order they lie in the page."""
         return tuple(
             math.prod(shape) * dtype.itemsize
             for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
@@ -153,10 +156,12 @@ class MambaSpec:
 
     @property
     def state_bytes(self) -> int:
+        """Bytes the states need together, before any padding."""
         return sum(self.state_nbytes)
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one block: the states, or the padded page when shared with attention."""
         return self.state_bytes if self.page_size_padded is None else self.page_size_padded
 
 

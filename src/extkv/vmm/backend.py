@@ -22,6 +22,8 @@ class VirtualMemoryOutOfMemory(VirtualMemoryError, MemoryError):
 
 
 class Backend(Protocol):
+    """What GranuleMap and ExtensibleTensor need from a device: reserve, map, unmap, wrap."""
+
     device: torch.device
     granularity: int  # bytes; reservations and mappings are multiples of it
 
@@ -29,7 +31,9 @@ class Backend(Protocol):
         """Reserve `size` bytes of address space; return the base address."""
         ...
 
-    def free_reservation(self, address: int, size: int) -> None: ...
+    def free_reservation(self, address: int, size: int) -> None:
+        """Give back address space from `reserve`; everything in it must be unmapped first."""
+        ...
 
     def map(self, address: int, size: int) -> object:
         """Back [address, address + size) with one physical allocation, readable and

@@ -60,6 +60,8 @@ class _DeviceArray:
 
 
 class CudaBackend:
+    """Backend over the CUDA driver's VMM calls on one device, run in its primary context."""
+
     def __init__(self, index: int) -> None:
         self.device = torch.device("cuda", index)
         _check(cu.cuInit(0), "cuInit")
@@ -103,15 +105,18 @@ class CudaBackend:
             _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
     def reserve(self, size: int) -> int:
+        """Reserve device address space (no physical memory yet); return its base."""
         with self._in_context():
             pointer = _check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
         return int(pointer)
 
     def free_reservation(self, address: int, size: int) -> None:
+        """Free address space from `reserve`; its mappings must be gone already."""
         with self._in_context():
             _check(cu.cuMemAddressFree(address, size), "cuMemAddressFree")
 
     def map(self, address: int, size: int) -> object:
+        """One physical allocation mapped read/write at `address`; all undone on failure."""
         with self._in_context():
             handle = _check(cu.cuMemCreate(size, self._prop, 0), "cuMemCreate")
             try:
@@ -127,16 +132,19 @@ class CudaBackend:
         return handle
 
     def unmap(self, address: int, size: int, handle: object) -> None:
+        """Unmap a range from `map` and release its physical allocation."""
         with self._in_context():
             _check(cu.cuMemUnmap(address, size), "cuMemUnmap")
             _check(cu.cuMemRelease(handle), "cuMemRelease")
 
     def free_bytes(self) -> int | None:
+        """Free device memory per the driver: what a commit could still get."""
         with self._in_context():
             free, _total = _check(cu.cuMemGetInfo(), "cuMemGetInfo")
         return int(free)
 
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
+        """Zero-copy uint8 CUDA tensor over the range, keeping `owner` alive."""
         if size == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
         return torch.as_tensor(_DeviceArray(address, size, owner), device=self.device)

@@ -24,6 +24,8 @@ class _Allocation:
 
 
 class GranuleMap:
+    """Which granules of one reservation are mapped: each mapped once, all undoable."""
+
     def __init__(self, backend: Backend, base: int, num_granules: int) -> None:
         self._backend = backend
         self._base = base
@@ -32,10 +34,12 @@ class GranuleMap:
 
     @property
     def num_allocations(self) -> int:
+        """Live physical allocations; fewer means fewer driver calls per commit."""
         return len(self._allocations)
 
     @property
     def committed_bytes(self) -> int:
+        """Physical bytes held: whole granules, so rounded up from what was asked."""
         return sum(a.num_granules for a in self._allocations) * self._backend.granularity
 
     def commit(self, byte_ranges: Iterable[tuple[int, int]]) -> None:
@@ -55,6 +59,7 @@ class GranuleMap:
         self._allocations.extend(made)
 
     def release_all(self) -> None:
+        """Unmap every allocation, newest first, leaving the reservation itself intact."""
         while self._allocations:
             self._unmap(self._allocations.pop())
 

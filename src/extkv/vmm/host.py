@@ -55,6 +55,7 @@ class HostBackend:
         self.committed_bytes = 0
 
     def reserve(self, size: int) -> int:
+        """Reserve inaccessible, unbacked address space with mmap; return its base."""
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         address = _libc.mmap(None, size, _PROT_NONE, flags, -1, 0)
         if address in (None, _MAP_FAILED):
@@ -63,9 +64,11 @@ class HostBackend:
         return address
 
     def free_reservation(self, address: int, size: int) -> None:
+        """munmap a reservation from `reserve`."""
         _check(_libc.munmap(address, size), "munmap")
 
     def map(self, address: int, size: int) -> object:
+        """Make the range read/write, within `commit_limit_bytes`; the size is the handle."""
         limit = self.commit_limit_bytes
         if limit is not None and self.committed_bytes + size > limit:
             raise VirtualMemoryOutOfMemory(
@@ -77,16 +80,19 @@ class HostBackend:
         return size
 
     def unmap(self, address: int, size: int, handle: object) -> None:
+        """Drop the pages and make the range inaccessible again, so stray accesses fault."""
         _check(_libc.madvise(address, size, mmap.MADV_DONTNEED), "madvise")
         _check(_libc.mprotect(address, size, _PROT_NONE), "mprotect")
         self.committed_bytes -= size
 
     def free_bytes(self) -> int | None:
+        """Room left under `commit_limit_bytes`, or None when there is no limit."""
         if self.commit_limit_bytes is None:
             return None
         return self.commit_limit_bytes - self.committed_bytes
 
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:
+        """Zero-copy uint8 CPU tensor over the range, keeping `owner` alive."""
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         array = (ctypes.c_uint8 * size).from_address(address)

@@ -122,30 +122,37 @@ class ExtensibleTensor:
 
     @property
     def device(self) -> torch.device:
+        """The device the backend commits memory on."""
         return self._backend.device
 
     @property
     def base_ptr(self) -> int:
+        """Start address of the reservation; fixed for the buffer's life, so views never move."""
         return self._base
 
     @property
     def num_segments(self) -> int:
+        """How many equal segments grow in lockstep (2 for a `split` K/V cache)."""
         return self._num_segments
 
     @property
     def segment_capacity_bytes(self) -> int:
+        """The most one segment can grow to: `max_num_bytes / num_segments`."""
         return self._segment_capacity
 
     @property
     def capacity_bytes(self) -> int:
+        """Address space reserved: `max_num_bytes` rounded up to whole granules."""
         return self._capacity
 
     @property
     def bytes_per_segment(self) -> int:
+        """The usable (committed) prefix of each segment."""
         return self._bytes_per_segment
 
     @property
     def num_bytes(self) -> int:
+        """Usable bytes over all segments; `committed_bytes` can be more (whole granules)."""
         return self._bytes_per_segment * self._num_segments
 
     @property
@@ -167,6 +174,7 @@ class ExtensibleTensor:
 
     @property
     def tensor(self) -> torch.Tensor:
+        """The committed bytes of a one-segment buffer; take it again after each growth."""
         self._require_single_segment("tensor")
         return self.full_view()[: self._bytes_per_segment]
 
@@ -200,11 +208,13 @@ class ExtensibleTensor:
                 view[start:end].zero_()
 
     def resize_(self, num_bytes: int) -> torch.Tensor:
+        """Grow a one-segment buffer to `num_bytes` and return the new, longer view."""
         self._require_single_segment("resize_")
         self.resize_per_segment_(num_bytes)
         return self.tensor
 
     def append(self, num_bytes: int) -> torch.Tensor:
+        """Grow a one-segment buffer by `num_bytes` and return the new, longer view."""
         _check_size("num_bytes", num_bytes)
         return self.resize_(self.num_bytes + num_bytes)
 
