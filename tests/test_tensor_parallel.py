@@ -190,8 +190,8 @@ def test_hung_worker_is_reported(qwen3: Path) -> None:
         ):
             while engine.has_unfinished_requests():
                 engine.step()
-        # Its last beat came at most a beat interval (0.5 s) before it stopped.
-        assert 1.5 <= time.monotonic() - start < 2 + 3
+        # Its last beat came about a beat interval (0.5 s) before it stopped, or less.
+        assert 1 <= time.monotonic() - start < 2 + 3
         assert not child_pids()
         with pytest.raises(EngineDeadError, match="missed its heartbeat"):
             tokens(llm)  # the engine stays failed, it does not hang

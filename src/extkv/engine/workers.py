@@ -105,6 +105,7 @@ class Workers:
         self._hang: str | None = None  # what the culprit did, when it hung rather than died
         self._stopped = False
         self._wake, self._waker = mp.Pipe(duplex=False)
+        self._watcher = threading.Thread(target=self._watch, name="extkv-tp-watch", daemon=True)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -139,6 +140,8 @@ class Workers:
                 proc.kill()
                 proc.join()
         if self._heartbeats is not None:
+            if self._watcher.is_alive():
+                self._watcher.join()  # woken above: it reads the pipes no more
             self._heartbeats.close()  # only now: a worker whose pipe breaks exits at once
 
     def _wait_until_joined(self) -> None:
@@ -163,8 +166,8 @@ class Workers:
             beats.listen()
             if silent := beats.overdue():
                 index, seconds = silent
-                self._culprit = self._procs[index]
                 self._hang = f"missed its heartbeat for {seconds:.1f} s (hung or stopped)"
+                self._culprit = self._procs[index]
                 logger.error(
                     "Tensor-parallel worker %s %s; killing it and stopping the others.",
                     self._culprit.name,
@@ -254,7 +257,7 @@ def _spawn(config: EngineConfig) -> Workers:
     except BaseException:
         workers.stop(polite=False)
         raise
-    threading.Thread(target=workers._watch, name="extkv-tp-watch", daemon=True).start()
+    workers._watcher.start()
     logger.info("Started %d tensor-parallel worker(s): pids %s.", size - 1, [p.pid for p in procs])
     return workers
 
