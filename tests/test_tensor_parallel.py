@@ -190,7 +190,7 @@ def test_hung_worker_is_reported(qwen3: Path) -> None:
         ):
             while engine.has_unfinished_requests():
                 engine.step()
-        # Its last beat came about a beat interval (0.5 s) before it stopped, or less.
+        # Its last beat came up to a beat interval (0.5 s; more on a loaded machine) before.
         assert 1 <= time.monotonic() - start < 2 + 3
         assert not child_pids()
         with pytest.raises(EngineDeadError, match="missed its heartbeat"):
