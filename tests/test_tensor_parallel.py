@@ -1,6 +1,7 @@
 """Tensor parallelism: tensor_parallel_size=2 equals 1 token for token on the CPU (gloo),
-legacy and extensible; the ranks agree on one block count; a worker that dies makes the
-engine raise and leaves no process behind; bad sizes are refused before any starts.
+legacy and extensible; the ranks agree on one block count; a worker that dies or hangs
+makes the engine raise and leaves no process behind, one that is busy does not; bad sizes
+and heartbeat timeouts are refused before any worker starts.
 Models: Qwen3 (a KV head replicated on both ranks, a padded vocabulary), the Bamba
 hybrid (attention and Mamba2 mixers split by heads and groups) and pure Mamba2."""
 
@@ -162,12 +163,65 @@ def test_worker_killed_while_serving_is_reported(qwen3: Path) -> None:
     llm = LLM(qwen3, tensor_parallel_size=2, **QWEN3_OPTIONS)
     (pid,) = worker_pids()
     os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
     with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
         tokens(llm)
+    assert time.monotonic() - start < 1  # the closed connection, not the heartbeat timeout
     assert not child_pids()
     with pytest.raises(EngineDeadError):  # the engine stays failed, it does not hang
         tokens(llm)
     llm.close()
+
+
+def test_hung_worker_is_reported(qwen3: Path) -> None:
+    """A stopped worker keeps its connections open: without its heartbeat the driver would
+    wait in the step's all-reduce for the 30-minute collective timeout."""
+    llm = LLM(qwen3, tensor_parallel_size=2, worker_heartbeat_timeout=2, **QWEN3_OPTIONS)
+    (pid,) = worker_pids()
+    engine = llm.engine
+    try:
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100))
+        engine.step()
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(
+            EngineDeadError, match=rf"rank 1 \(pid {pid}\) missed its heartbeat for \d+\.\d s"
+        ):
+            while engine.has_unfinished_requests():
+                engine.step()
+        # Its last beat came up to a beat interval (0.5 s; more on a loaded machine) before.
+        assert 1 <= time.monotonic() - start < 2 + 3
+        assert not child_pids()
+        with pytest.raises(EngineDeadError, match="missed its heartbeat"):
+            tokens(llm)  # the engine stays failed, it does not hang
+    finally:
+        if pid in worker_pids():
+            os.kill(pid, signal.SIGKILL)  # a stopped process takes no other signal
+        llm.close()
+    assert not child_pids()
+
+
+def test_busy_workers_are_not_taken_for_hung(qwen3: Path) -> None:
+    """The heartbeat comes from a thread of its own: a worker whose main thread sits in
+    a collective for several timeouts (here waiting for the next step, as in a long
+    step) is not flagged, and serves the next step."""
+    timeout = 1.0
+    expected = tokens(LLM(qwen3, **QWEN3_OPTIONS))
+    llm = LLM(qwen3, tensor_parallel_size=2, worker_heartbeat_timeout=timeout, **QWEN3_OPTIONS)
+    try:
+        time.sleep(3 * timeout)
+        assert tokens(llm) == expected
+    finally:
+        llm.close()
+    assert not child_pids()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), "2"])
+def test_bad_heartbeat_timeouts_are_refused(qwen3: Path, timeout: object) -> None:
+    with pytest.raises(ValueError, match=r"worker_heartbeat_timeout must be a number > 0"):
+        LLM(qwen3, tensor_parallel_size=2, worker_heartbeat_timeout=timeout)
+    assert not child_pids()
 
 
 def test_runs_under_torchrun(tmp_path: Path) -> None:

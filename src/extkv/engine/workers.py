@@ -12,6 +12,13 @@ A worker that dies or fails makes the driver raise `WorkerError` and stop the
 others. Before the process groups exist the driver polls its workers' exit
 codes; after, a collective whose peer is gone fails (gloo at once, NCCL once
 the watcher thread aborts it) and the driver names the worker that died.
+
+A worker that hangs (e.g. SIGSTOPped) would leave the driver waiting in a
+collective until the collective timeout, so spawned workers also beat on a
+pipe (`extkv.distributed.heartbeat`); one silent for `worker_heartbeat_timeout`
+seconds is killed by the watcher thread, which fails the collective, and the
+driver names it as hung. Torchrun's processes are not ours to kill: there a
+hang waits for the collective timeout (torchrun's own monitoring applies).
 """
 
 from __future__ import annotations
@@ -25,13 +32,20 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from extkv.distributed import CommunicationError, TPGroup, connect
+from extkv.distributed import (
+    CommunicationError,
+    HeartbeatMonitor,
+    TPGroup,
+    beat_interval,
+    connect,
+    start_beating,
+)
 from extkv.engine.config import EngineConfig
 from extkv.engine.startup import start_rank
 from extkv.models import check_tensor_parallel
@@ -73,17 +87,25 @@ def serve(config: EngineConfig, group: TPGroup) -> None:
 
 
 class Workers:
-    """The driver's view of ranks 1..N-1: their process group, their processes (none
-    under torchrun), noticing when one fails, stopping them."""
+    """The driver's view of ranks 1..N-1: their process group, their processes and
+    heartbeats (none under torchrun), noticing when one fails or hangs, stopping them."""
 
-    def __init__(self, store: dist.Store, procs: list[mp.Process]) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        procs: list[mp.Process],
+        heartbeats: HeartbeatMonitor | None = None,
+    ) -> None:
         self.group: TPGroup | None = None
         self.error: WorkerError | None = None
         self._store = store
         self._procs = procs
+        self._heartbeats = heartbeats
         self._culprit: mp.Process | None = None
+        self._hang: str | None = None  # what the culprit did, when it hung rather than died
         self._stopped = False
         self._wake, self._waker = mp.Pipe(duplex=False)
+        self._watcher = threading.Thread(target=self._watch, name="extkv-tp-watch", daemon=True)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -117,6 +139,10 @@ class Workers:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self._heartbeats is not None:
+            if self._watcher.is_alive():
+                self._watcher.join()  # woken above: it reads the pipes no more
+            self._heartbeats.close()  # only now: a worker whose pipe breaks exits at once
 
     def _wait_until_joined(self) -> None:
         """Every worker is about to join the process group; fail fast if one dies first."""
@@ -131,14 +157,33 @@ class Workers:
                 raise WorkerError(f"tensor-parallel workers did not start within {START_TIMEOUT}")
 
     def _watch(self) -> None:
-        """Until `stop`: when a worker exits, stop the others and unblock the driver."""
+        """Until `stop`: when a worker exits or misses its heartbeat, stop them all and
+        unblock the driver. The driver's thread describes the culprit (that joins the
+        process); here, only act, naming the culprit before its collective can fail."""
         sentinels = [p.sentinel for p in self._procs]
-        ready = wait([*sentinels, self._wake])
-        if self._wake in ready:
-            return
-        # The driver's thread describes it (that joins the process); here, only act.
-        self._culprit = self._by_sentinel(ready[0])
-        logger.error("Tensor-parallel worker %s exited; stopping the others.", self._culprit.name)
+        beats = self._heartbeats
+        while True:
+            beats.listen()
+            if silent := beats.overdue():
+                index, seconds = silent
+                self._hang = f"missed its heartbeat for {seconds:.1f} s (hung or stopped)"
+                self._culprit = self._procs[index]
+                logger.error(
+                    "Tensor-parallel worker %s %s; killing it and stopping the others.",
+                    self._culprit.name,
+                    self._hang,
+                )
+                self._culprit.kill()  # SIGKILL: a stopped process takes no other signal
+                break
+            ready = wait([*sentinels, *beats.pipes, self._wake], beats.seconds_left())
+            if self._wake in ready:
+                return
+            if dead := [s for s in ready if s in sentinels]:
+                self._culprit = self._by_sentinel(dead[0])
+                logger.error(
+                    "Tensor-parallel worker %s exited; stopping the others.", self._culprit.name
+                )
+                break
         for proc in self._procs:
             proc.terminate()
         if self.group is not None:
@@ -166,7 +211,12 @@ class Workers:
         proc.join()
         rank = self._procs.index(proc) + 1
         code = proc.exitcode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+        if proc is self._culprit and self._hang is not None:
+            how = f"{self._hang}, so the engine killed it"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited ({code})"
         text = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}{when}{_STOPPED}"
         key = f"error/{rank}"
         if self._store.check([key]):
@@ -182,35 +232,42 @@ def _spawn(config: EngineConfig) -> Workers:
     context = mp.get_context("spawn")
     # Workers log warnings and errors only: the driver logs what the ranks agreed on.
     level = max(logging.getLogger("extkv").getEffectiveLevel(), logging.WARNING)
+    pipes = [context.Pipe(duplex=False) for _ in range(1, size)]  # (driver's, worker's)
     procs = [
         context.Process(
             target=_worker_main,
-            args=(config.for_rank(rank), rank, store.port, level),
+            args=(config.for_rank(rank), rank, store.port, level, pipes[rank - 1][1]),
             name=f"extkv-tp-rank{rank}",
             daemon=True,
         )
         for rank in range(1, size)
     ]
-    workers = Workers(store, procs)
+    heartbeats = HeartbeatMonitor([heard for heard, _ in pipes], config.worker_heartbeat_timeout)
+    workers = Workers(store, procs, heartbeats)
     try:
-        for proc in procs:
+        for proc, (_, beating) in zip(procs, pipes, strict=True):
             try:
                 proc.start()
             except OSError as e:  # it died before taking its arguments
                 raise WorkerError(f"tensor-parallel worker {proc.name} did not start: {e}") from e
+            finally:
+                beating.close()  # the worker's end is the worker's alone
         workers._wait_until_joined()
         workers.group = connect(store, 0, size, config.device, COLLECTIVE_TIMEOUT, LOOPBACK)
     except BaseException:
         workers.stop(polite=False)
         raise
-    threading.Thread(target=workers._watch, name="extkv-tp-watch", daemon=True).start()
+    workers._watcher.start()
     logger.info("Started %d tensor-parallel worker(s): pids %s.", size - 1, [p.pid for p in procs])
     return workers
 
 
-def _worker_main(config: EngineConfig, rank: int, port: int, log_level: int) -> None:
-    """A spawned worker: join, serve; an error is left in the store for the driver."""
+def _worker_main(
+    config: EngineConfig, rank: int, port: int, log_level: int, heartbeat: Connection
+) -> None:
+    """A spawned worker: beat, join, serve; an error is left in the store for the driver."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    start_beating(heartbeat, beat_interval(config.worker_heartbeat_timeout))
     size = config.tensor_parallel_size
     if config.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
