@@ -169,7 +169,8 @@ class InputBuffers:
         size = self._size(self._max)
         pinned = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
-        self.staged = torch.zeros(size, dtype=torch.int32, device=device)
+        # On the CPU the host buffer is what the model reads: nothing to copy.
+        self.staged = torch.zeros_like(self.host, device=device) if pinned else self.host
         self._host = self.host.numpy()
         # Set once the last copy out of the host buffer is done: with asynchronous
         # scheduling the next step is staged while the device may not have read it yet.
@@ -237,8 +238,8 @@ class InputBuffers:
         tables[:s, :width] = inputs.block_tables
         tables[:s, width:] = 0
         tables[s:] = 0
-        used = self._size(shape)
-        self.staged[:used].copy_(self.host[:used], non_blocking=True)
         if self._sent is not None:
+            used = self._size(shape)
+            self.staged[:used].copy_(self.host[:used], non_blocking=True)
             self._sent.record(torch.cuda.current_stream(self.staged.device))
         return self.views(shape, len(inputs.sample_rows))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from extkv.engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request per step: cheap to build matters
 class ScheduledRequest:
     """One request's part of a step: `num_new_tokens` tokens starting at position
     `num_computed_tokens` (the tokens before it have their KV in the cache).
