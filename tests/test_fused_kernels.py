@@ -322,6 +322,7 @@ def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
     """Device activities (kernels, copies, memsets) of one eager decode step at batch 4,
     by name: the same kernels a captured graph replays."""
     block_size, width = 16, 16
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     model = qwen3_shaped(folder, num_layers)
     bind_cache(model, 4 * width, block_size)
     context_lens = [5, 17, 100, 256]
@@ -331,7 +332,7 @@ def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
     with torch.inference_mode(), set_forward_context(metadata):
         model(ids, positions)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=activities) as prof:
             model(ids, positions)
             torch.cuda.synchronize()
     return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
