@@ -1,16 +1,27 @@
-"""The attention layer models use: write new K/V into the paged cache, attend."""
+"""The attention layer models use: prepare q/k/v, write new K/V into the paged cache, attend."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from extkv.attention.metadata import get_forward_context
-from extkv.attention.ops import paged_attention, store_kv, varlen_attention
+from extkv.attention.ops import paged_attention, qk_norm_rope, qk_norm_rope_store, varlen_attention
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k before rotary (Qwen3): the two (head_dim,) weights."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 class Attention(nn.Module):
-    """Causal GQA attention over the paged KV cache of one layer.
+    """Causal GQA attention over the paged KV cache of one layer, taking the fused qkv
+    projection: one kernel norms and rotates q and k and writes k and v to the cache.
 
     `k_cache` / `v_cache` are (num_blocks, block_size, num_kv_heads, head_dim)
     views of any stride, bound by the model runner once the KV cache exists;
@@ -27,15 +38,24 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (T, num_heads * head_dim), k/v: (T, num_kv_heads * head_dim)."""
+    def forward(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        """qkv (T, (num_heads + 2 num_kv_heads) * head_dim), positions (T,), the rotary
+        table (max_position, rotary_dim) -> (T, num_heads * head_dim)."""
         metadata = get_forward_context()
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q_weight, k_weight, eps = qk_norm or (None, None, 0.0)
+        prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
         if self.k_cache.numel() == 0:
+            q, k, v = qk_norm_rope(*prepare, q_weight, k_weight, eps)
             out = varlen_attention(q, k, v, metadata.cu_seqlens_q, self.scale)
         else:
-            store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+            q = qk_norm_rope_store(
+                *prepare, q_weight, k_weight, eps, self.k_cache, self.v_cache, metadata.slot_mapping
+            )
             out = paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -1,30 +1,69 @@
-"""Attention ops, dispatched by device: Triton kernels on CUDA, torch reference on CPU."""
+"""Attention ops, dispatched by device: Triton kernels on CUDA, torch reference on CPU.
+
+The q/k preparation (per-head norm, rotary, the KV cache write) has its torch
+reference with the models' other fused ops, in extkv.models.reference; as
+extkv.models imports this package, that module is imported at call time.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from extkv.attention.metadata import AttentionMetadata
-from extkv.attention.reference import (
-    paged_attention_reference,
-    store_kv_reference,
-    varlen_attention_reference,
-)
+from extkv.attention.reference import paged_attention_reference, varlen_attention_reference
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused qkv projection -> q, k, v per head, q and k normed and rotated."""
+    if qkv.is_cuda:  # Triton is imported on the GPU path only: CPU installs may lack it
+        from extkv.kernels.rotary import qk_norm_rope as impl
+    else:
+        from extkv.models.reference import qk_norm_rope as impl
+    return impl(
+        qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps
+    )
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    if key.is_cuda:  # Triton is imported on the GPU path only: CPU installs may lack it
-        from extkv.kernels.store_kv import store_kv as store_kv_triton
-
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+) -> torch.Tensor:
+    """As `qk_norm_rope`, k and v written into the paged cache (slot -1 skips); returns q."""
+    if qkv.is_cuda:
+        from extkv.kernels.rotary import qk_norm_rope_store as impl
     else:
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        from extkv.models.reference import qk_norm_rope_store as impl
+    return impl(
+        qkv,
+        positions,
+        cos_sin_cache,
+        num_q_heads,
+        num_kv_heads,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        k_cache,
+        v_cache,
+        slot_mapping,
+    )
 
 
 def paged_attention(

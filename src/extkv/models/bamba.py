@@ -52,12 +52,20 @@ class BambaDecoderLayer(nn.Module):
             self.mamba = Mamba2Mixer(bamba_dims(config))
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        mixed = self.input_layernorm(hidden)
-        mixed = self.self_attn(mixed, rope) if self.is_attention else self.mamba(mixed)
-        hidden = hidden + mixed
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the caller's next norm adds the two."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        if self.is_attention:
+            hidden = self.self_attn(hidden, positions, cos_sin_cache)
+        else:
+            hidden = self.mamba(hidden)
+        hidden, residual = self.pre_ff_layernorm(hidden, residual)
+        return self.feed_forward(hidden), residual
 
 
 class BambaModel(nn.Module):
@@ -74,11 +82,10 @@ class BambaModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, rope)
-        return self.final_layernorm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)
+        return self.final_layernorm(hidden, residual)[0]
 
 
 class BambaForCausalLM(CausalLM):

@@ -10,9 +10,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from extkv.models import ops
 from extkv.models.parallel import MergedColumnParallelLinear, RowParallelLinear, split_evenly
 
 
@@ -28,18 +28,26 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: str |
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back before the weight multiply (as HF does)."""
+    """RMSNorm computed in fp32, cast back before the weight multiply (as HF does), with
+    the residual add of the layer before fused in.
+
+    Decoder layers pass `(hidden, residual)` along (vLLM style): each norm adds the
+    previous sublayer's output to the residual stream in place and normalises the sum.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, residual stream): `residual + x` normed, residual updated in place;
+        without a residual the stream starts at x."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -80,8 +88,10 @@ def rope_inv_freq(head_dim: int, max_position: int, params: dict[str, Any]) -> t
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to `max_position`, computed once in fp32.
 
-    A step only gathers rows, so it allocates nothing that depends on the
-    step's positions (CUDA-graph friendly) and never recomputes trig.
+    `cos_sin_cache` (max_position, rotary_dim): each row the cos then the sin of
+    its rotary_dim / 2 frequencies. The attention kernel gathers rows by position
+    and rounds them to the model dtype in registers, so a step allocates nothing
+    that depends on its positions (CUDA-graph friendly) and never recomputes trig.
     """
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
@@ -91,24 +101,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
         )
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (T, 1, rotary_dim / 2) in `dtype`, broadcasting over heads."""
-        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, head_dim) in halves: HF's `x*cos + rotate_half(x)*sin`.
-
-    Only the leading `2 * cos.shape[-1]` channels rotate; with partial rotary
-    the rest pass through unchanged, as HF does.
-    """
-    rotary_dim = 2 * cos.shape[-1]
-    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
 
 
 class GatedMLP(nn.Module):
@@ -124,5 +116,4 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inner, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

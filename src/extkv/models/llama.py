@@ -14,8 +14,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from extkv.attention import Attention
+from extkv.attention.layer import QKNorm
 from extkv.models.config import head_dim, num_kv_heads, rope_parameters
-from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from extkv.models.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -48,21 +49,19 @@ class DecoderAttention(nn.Module):
             config.hidden_size, {"q_proj": [q], "k_proj": [kv], "v_proj": [kv]}, bias
         )
         self.o_proj = RowParallelLinear(q, config.hidden_size, bias)
+        # Weights only: the attention kernel norms each q and k head itself.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-        self.split = (q.size, kv.size, kv.size)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk_norm = None
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        out = self.attn(self.qkv_proj(hidden), positions, cos_sin_cache, qk_norm)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -76,10 +75,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the caller's next norm adds the two."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -95,11 +101,10 @@ class DecoderModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)  # once per step, shared by all layers
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)
+        return self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

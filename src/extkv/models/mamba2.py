@@ -12,11 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from extkv.attention import AttentionMetadata, get_forward_context
 from extkv.distributed import current_group
+from extkv.models import ops
 from extkv.models.mamba2_ops import causal_conv_varlen, ssd_varlen, ssm_step, time_step
 from extkv.models.parallel import (
     ColumnParallelLinear,
@@ -83,9 +83,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """y (T, dim), any dtype; gate (T, dim) in the model dtype, which the result takes."""
-        h = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.flatten(-2)).to(gate.dtype)
+        return ops.gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
 
 
 class Mamba2Mixer(nn.Module):

@@ -40,9 +40,14 @@ class Mamba2Block(nn.Module):
         self.mixer = Mamba2Mixer(mamba2_dims(config))
         self.residual_in_fp32 = config.residual_in_fp32
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        residual = hidden.float() if self.residual_in_fp32 else hidden
-        return residual + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixer output, residual stream): the caller's next norm adds the two."""
+        hidden, residual = self.norm(hidden, residual)
+        if self.residual_in_fp32:
+            residual = residual.float()  # a copy in the first block only
+        return self.mixer(hidden), residual
 
 
 class Mamba2Model(nn.Module):
@@ -53,12 +58,13 @@ class Mamba2Model(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(input_ids)
+        hidden, residual = self.embeddings(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden)
-        # An fp32 residual stream leaves the final norm in fp32; the logits matmul
-        # casts to the model dtype anyway, so hand the engine that dtype, as every model.
-        return self.norm_f(hidden).to(self.embeddings.weight.dtype)
+            hidden, residual = layer(hidden, residual)
+        # The fused norm reads an fp32 residual stream rounded to the model dtype (HF
+        # norms the fp32 sum, then the logits matmul rounds anyway): the engine gets
+        # hidden states in the model dtype, as from every model.
+        return self.norm_f(hidden, residual)[0]
 
 
 class Mamba2ForCausalLM(nn.Module):

@@ -1,0 +1,101 @@
+"""The fused ops in plain torch: the CPU path and the Triton kernels' oracle.
+
+Op for op what Hugging Face computes (same dtypes, same order), so fp32 outputs
+equal transformers' and bf16 ones round the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from extkv.attention.reference import store_kv_reference
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in fp32, cast back to x's dtype before the weight multiply (as HF does).
+
+    With `residual`: first `residual += x` in place, then normalise that sum (cast
+    to x's dtype: a residual stream kept in fp32 is normed in the model dtype, as
+    HF's Mamba2 blocks do); returns (normed, residual).
+    """
+    if residual is not None:
+        x = residual.add_(x).to(x.dtype)
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * h.to(dtype)
+    return normed if residual is None else (normed, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I), gate then up -> silu(gate) * up (T, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gated_rms_norm(
+    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """RMSNorm of y * silu(gate) within each group of `group_size` channels (HF's
+    `MambaRMSNormGated`), in fp32; the result takes gate's (the model's) dtype."""
+    h = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, group_size))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.flatten(-2)).to(gate.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, heads, head_dim) in halves: HF's `x*cos + rotate_half(x)*sin`.
+
+    Only the leading `2 * cos.shape[-1]` channels rotate; with partial rotary
+    the rest pass through unchanged, as HF does.
+    """
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv (T, (Hq + 2 Hkv) * D) -> q (T, Hq, D), k, v (T, Hkv, D): q and k normed per
+    head (when weights are given) and rotated with the cos/sin rows of `positions`."""
+    qkv = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, -1))
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].to(qkv.dtype).unsqueeze(1).chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`qk_norm_rope`, k and v written to the caches at slot_mapping (-1 skips); returns q."""
+    q, k, v = qk_norm_rope(
+        qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps
+    )
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q

@@ -1,0 +1,423 @@
+"""The fused decode kernels (norms, SiLU*mul, q/k norm + rotary + KV store) against the
+torch references of extkv.models.reference, and the kernel count of a decode step.
+
+As in test_kernels, the CPU checks run this file as a script under the Triton
+interpreter (`TRITON_INTERPRET=1`, in a subprocess); the GPU tests run the
+compiled kernels. Low-precision results must round where torch's ops do: beyond
+the dtype's tolerance, at most 1% of the elements may differ at all (sums taken
+in another order flip a rare rounding), which a kernel rounding at other points
+than torch would exceed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.kernels.activation import silu_and_mul
+from extkv.kernels.norm import gated_rms_norm, rms_norm
+from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
+from extkv.models import load_model, reference
+from extkv.models.layers import RotaryEmbedding
+from test_kernels import LAYOUTS, Cache
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within the dtype's tolerance, and rounded as the reference (see the module doc)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    if ref.dtype != torch.float32:
+        differ = (out != ref).float().mean().item()
+        assert differ <= 0.01, f"{differ:.1%} of the elements round differently"
+
+
+def check_rms_norm(
+    hidden: int, dtype: torch.dtype, device: str, residual_dtype: torch.dtype | None = None
+) -> None:
+    """Without a residual; with one (updated in place, rows of a wider tensor); with an
+    fp32 residual stream under a low-precision x (Mamba2's residual_in_fp32)."""
+    rows = 7
+    x = torch.randn(rows, hidden + 3, dtype=dtype, device=device)[:, :hidden]
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    assert_matches(rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+    residual = torch.randn(rows, hidden, dtype=residual_dtype or dtype, device=device)
+    expected_residual = residual.clone()
+    out, updated = rms_norm(x, weight, 1e-5, residual)
+    expected = reference.rms_norm(x, weight, 1e-5, expected_residual)[0]
+    assert updated is residual
+    assert_matches(residual, expected_residual)
+    assert_matches(out, expected)
+
+
+def check_silu_and_mul(inner: int, dtype: torch.dtype, device: str) -> None:
+    gate_up = torch.randn(5, 2 * inner, dtype=dtype, device=device) * 4
+    assert_matches(silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+
+def check_gated_rms_norm(dim: int, group_size: int, dtype: torch.dtype, device: str) -> None:
+    """y in fp32 (the SSM output), gate a strided column slice (of in_proj's output)."""
+    y = torch.randn(6, dim, device=device)
+    gate = torch.randn(6, 3 * dim, dtype=dtype, device=device)[:, dim : 2 * dim]
+    weight = torch.randn(dim, dtype=dtype, device=device)
+    assert_matches(
+        gated_rms_norm(y, gate, weight, group_size, 1e-5),
+        reference.gated_rms_norm(y, gate, weight, group_size, 1e-5),
+    )
+
+
+def rotary_table(head_dim: int, rotary_dim: int, device: str) -> torch.Tensor:
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    params["partial_rotary_factor"] = rotary_dim / head_dim
+    return RotaryEmbedding(head_dim, 300, params).cos_sin_cache.to(device)
+
+
+def qkv_inputs(
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    qk_norm: bool,
+    dtype: torch.dtype,
+    device: str,
+) -> tuple:
+    """Arguments up to the cache: qkv rows of a wider tensor, scattered positions."""
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width + 8, dtype=dtype, device=device)[:, :width]
+    positions = torch.randint(0, 300, (num_tokens,), device=device)
+    weights = [torch.randn(head_dim, dtype=dtype, device=device) for _ in "qk"]
+    return (
+        qkv,
+        positions,
+        rotary_table(head_dim, rotary_dim, device),
+        num_q_heads,
+        num_kv_heads,
+        *(weights if qk_norm else (None, None)),
+        1e-6,
+    )
+
+
+def check_qk_norm_rope_store(
+    layout: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    qk_norm: bool,
+    dtype: torch.dtype,
+    device: str,
+    block_size: int = 4,
+) -> None:
+    """q, and the whole cache buffer: written slots match, padding (-1) slots and page
+    padding stay as they were."""
+    num_tokens, num_blocks = 11, 6
+    args = qkv_inputs(
+        num_tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype, device
+    )
+    cache = Cache.random(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[::4] = -1
+    expected = cache.rebased(cache.buf.clone())
+    q_ref = reference.qk_norm_rope_store(*args, expected.k, expected.v, slots)
+    q = qk_norm_rope_store(*args, cache.k, cache.v, slots)
+    assert_matches(q, q_ref)
+    assert_matches(cache.buf, expected.buf)
+
+
+def check_qk_norm_rope(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    qk_norm: bool,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """No cache (the profiling run): q, k and v come back as tensors."""
+    args = qkv_inputs(9, num_q_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype, device)
+    for out, ref in zip(qk_norm_rope(*args), reference.qk_norm_rope(*args), strict=True):
+        assert_matches(out, ref)
+
+
+def test_bad_shapes_are_refused() -> None:
+    cos_sin = rotary_table(32, 32, "cpu")
+    qkv = torch.randn(3, 6 * 32 + 1)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qk_norm_rope(qkv, torch.zeros(3, dtype=torch.long), cos_sin, 4, 2, None, None, 1e-6)
+    with pytest.raises(ValueError, match="even rotary_dim"):
+        qk_norm_rope(
+            qkv[:, 1:], torch.zeros(3, dtype=torch.long), cos_sin[:, :5], 4, 1, None, None, 0
+        )
+    with pytest.raises(ValueError, match=r"\(T, 2I\)"):
+        silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="group_size 5 must divide"):
+        gated_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 5, 1e-5)
+
+
+# ---------------------------------------------------------------- CPU: Triton interpreter
+
+
+def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
+    every = [(dtype, "cpu") for dtype in DTYPES]
+    rope = partial(check_qk_norm_rope_store, device="cpu")
+    return {
+        "norms": [
+            *(partial(check_rms_norm, hidden, *on) for hidden in (1024, 100) for on in every),
+            partial(check_rms_norm, 96, torch.bfloat16, "cpu", residual_dtype=torch.float32),
+            *(partial(check_gated_rms_norm, 96, group, *on) for group in (96, 24) for on in every),
+        ],
+        "silu_and_mul": [
+            partial(check_silu_and_mul, inner, *on) for inner in (77, 1100) for on in every
+        ],
+        "rotary": [
+            *(
+                partial(rope, layout, 4, 2, 32, 32, True, dtype)
+                for layout in LAYOUTS
+                for dtype in DTYPES
+            ),
+            partial(
+                rope, "split", 3, 1, 24, 12, False, torch.bfloat16
+            ),  # odd heads, partial, odd dim
+            partial(rope, "hybrid", 8, 8, 64, 32, False, torch.float16, block_size=16),
+            *(
+                partial(check_qk_norm_rope, 4, 2, 32, 16, norm, *on)
+                for norm in (False, True)
+                for on in every
+            ),
+        ],
+    }
+
+
+@pytest.mark.parametrize("kernels", ["norms", "silu_and_mul", "rotary"])
+def test_interpreted(kernels: str) -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, kernels], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def interpreter_rounds_bf16_to_nearest() -> None:
+    """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
+
+    Triton's interpreter truncates them (and its RTNE mode rounds ties up and
+    drops the carry), which would hide whether a kernel rounds where torch does.
+    """
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def patched(data: np.ndarray, src: object, dst: object, rounding: object) -> np.ndarray:
+        if str(src) == "fp32" and str(dst) == "bf16":
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert(data, src, dst, rounding)
+
+    interpreter._convert_float = patched
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1024, 4096, 1000])
+def test_norms_gpu(hidden: int, dtype: torch.dtype) -> None:
+    check_rms_norm(hidden, dtype, "cuda")
+    check_gated_rms_norm(hidden, hidden // 4, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_rms_norm_fp32_residual_gpu() -> None:
+    check_rms_norm(2048, torch.bfloat16, "cuda", residual_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [3072, 1111])
+def test_silu_and_mul_gpu(inner: int, dtype: torch.dtype) -> None:
+    check_silu_and_mul(inner, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "rotary_dim", "qk_norm"),
+    [
+        ((16, 8), 128, 128, True),
+        ((32, 8), 64, 64, False),
+        ((6, 2), 128, 64, False),
+        ((5, 1), 80, 40, True),
+    ],
+    ids=["qwen3", "llama", "bamba-partial", "odd"],
+)
+def test_qk_norm_rope_store_gpu(
+    layout: str,
+    heads: tuple[int, int],
+    head_dim: int,
+    rotary_dim: int,
+    qk_norm: bool,
+    dtype: torch.dtype,
+) -> None:
+    check_qk_norm_rope_store(
+        layout, *heads, head_dim, rotary_dim, qk_norm, dtype, "cuda", block_size=16
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_no_cache_gpu(qk_norm: bool) -> None:
+    check_qk_norm_rope(16, 8, 128, 64, qk_norm, torch.bfloat16, "cuda")
+
+
+def qwen3_shaped(folder: Path, num_layers: int) -> torch.nn.Module:
+    """Qwen3-0.6B's layer shapes (a small vocabulary), random weights, loaded in bf16."""
+    shape = {**QWEN3_0_6B_SHAPE, "vocab_size": 1024, "num_hidden_layers": num_layers}
+    make_random_checkpoint(folder, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **shape)
+    return load_model(folder, torch.bfloat16, torch.device("cuda"))[0]
+
+
+def bind_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    """A block_major cache per attention layer, as the engine binds it."""
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            page = (block_size, layer.num_kv_heads, layer.head_dim)
+            buf = torch.randn(num_blocks, 2, *page, dtype=torch.bfloat16, device="cuda")
+            layer.k_cache, layer.v_cache = buf[:, 0], buf[:, 1]
+
+
+def decode_metadata(context_lens: list[int], block_size: int, width: int) -> AttentionMetadata:
+    """One token per sequence, sequence s on blocks s * width ... (its last token new)."""
+    num_seqs = len(context_lens)
+    tables = torch.arange(num_seqs * width, dtype=torch.int32).view(num_seqs, width)
+    last = torch.tensor(context_lens) - 1
+    slots = tables[torch.arange(num_seqs), last // block_size].long() * block_size
+    return AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=(slots + last % block_size).cuda(),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables.cuda(),
+        max_seqlen_q=1,
+        max_context_len=width * block_size,
+    )
+
+
+def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
+    """Device activities (kernels, copies, memsets) of one eager decode step at batch 4,
+    by name: the same kernels a captured graph replays."""
+    block_size, width = 16, 16
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    model = qwen3_shaped(folder, num_layers)
+    bind_cache(model, 4 * width, block_size)
+    context_lens = [5, 17, 100, 256]
+    metadata = decode_metadata(context_lens, block_size, width)
+    ids = torch.randint(0, 1024, (4,), device="cuda")
+    positions = torch.tensor(context_lens, device="cuda") - 1
+    with torch.inference_mode(), set_forward_context(metadata):
+        model(ids, positions)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            model(ids, positions)
+            torch.cuda.synchronize()
+    return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.gpu
+def test_decode_kernels_per_layer(tmp_path: Path) -> None:
+    """<= 10 kernels per decoder layer: norm (+ residual add), qkv, q/k norm + rotary +
+    KV store, attention (2: split-K and merge), o_proj, norm (+ add), gate_up, SiLU*mul,
+    down. Counted as the difference between a 4- and a 2-layer model, so the embedding
+    and final norm are left out."""
+    four, two = decode_step_kernels(tmp_path / "4", 4), decode_step_kernels(tmp_path / "2", 2)
+    per_layer = (four.total() - two.total()) / 2
+    print(f"\ndecode step: {per_layer:g} kernels per decoder layer")
+    assert per_layer <= 10, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
+
+
+@dataclass
+class DecodeStep:
+    """A decoder layer's inputs for one decode step."""
+
+    metadata: AttentionMetadata
+    hidden: torch.Tensor
+    residual: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def random(cls, seed: int, num_seqs: int, block_size: int, width: int) -> DecodeStep:
+        torch.manual_seed(seed)
+        context_lens = torch.randint(1, width * block_size, (num_seqs,)).tolist()
+        metadata = decode_metadata(context_lens, block_size, width)
+        hidden, residual = torch.randn(2, num_seqs, 1024, dtype=torch.bfloat16, device="cuda")
+        return cls(metadata, hidden, residual, metadata.context_lens.long() - 1)
+
+    def copy_(self, other: DecodeStep) -> None:
+        """Take `other`'s values (block tables are the same: sizes only)."""
+        for name in ("slot_mapping", "context_lens"):
+            getattr(self.metadata, name).copy_(getattr(other.metadata, name))
+        for name in ("hidden", "residual", "positions"):
+            getattr(self, name).copy_(getattr(other, name))
+
+
+@pytest.mark.gpu
+def test_decoder_layer_cuda_graph_replay(tmp_path: Path) -> None:
+    """One captured decoder layer replayed over new inputs equals the eager layer: the
+    residual updated in place, K/V written through the slots, q/k normed and rotated."""
+    num_seqs, block_size, width = 4, 16, 8
+    model = qwen3_shaped(tmp_path, 1)
+    bind_cache(model, num_seqs * width, block_size)
+    layer, attn = model.model.layers[0], model.model.layers[0].self_attn.attn
+    cos_sin = model.model.rotary_emb.cos_sin_cache
+
+    def run(step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+        with set_forward_context(step.metadata):
+            return layer(step.hidden, step.residual, step.positions, cos_sin)
+
+    static = DecodeStep.random(0, num_seqs, block_size, width)
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(static)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, residual = run(static)
+
+        for seed in (1, 2, 3):
+            new = DecodeStep.random(seed, num_seqs, block_size, width)
+            static.copy_(new)  # before the eager run updates new.residual
+            before = attn.k_cache.clone(), attn.v_cache.clone()
+            want_out, want_residual = run(new)
+            want_cache = attn.k_cache.clone(), attn.v_cache.clone()
+            attn.k_cache.copy_(before[0])
+            attn.v_cache.copy_(before[1])
+            graph.replay()
+            assert torch.equal(out, want_out)
+            assert torch.equal(residual, want_residual)
+            assert torch.equal(attn.k_cache, want_cache[0])
+            assert torch.equal(attn.v_cache, want_cache[1])
+            assert not torch.equal(attn.k_cache, before[0])  # the step wrote its K
+
+
+if __name__ == "__main__":
+    interpreter_rounds_bf16_to_nearest()
+    for check in interpreter_checks()[sys.argv[1]]:
+        torch.manual_seed(0)
+        check()
