@@ -24,7 +24,13 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
-from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.attention import (
+    Attention,
+    AttentionMetadata,
+    ForwardContext,
+    MambaMetadata,
+    set_forward_context,
+)
 from extkv.kv_cache.layouts import mamba_state_views
 from extkv.kv_cache.specs import MambaSpec
 from extkv.models import load_model
@@ -115,9 +121,9 @@ def test_packed_prefill_matches_hf(tmp_path: Path, family: str, overrides: dict)
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     tokens = random_tokens((5, 19, 1))
     lengths = [len(t) for t in tokens]
-    metadata = AttentionMetadata.packed_prefill(lengths, "cpu")
+    context = ForwardContext.packed_prefill(lengths, "cpu")
     positions = torch.cat([torch.arange(n) for n in lengths])
-    with set_forward_context(metadata):
+    with set_forward_context(context):
         logits = model.compute_logits(model(torch.cat(tokens), positions))
     expected = torch.cat([hf_logits(hf, t) for t in tokens])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
@@ -166,7 +172,7 @@ class Bindings:
 
 def step_inputs(
     requests: list[Request], counts: list[int], is_prefill: bool, device: str, padding: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
     """Flat inputs of one step advancing request i by counts[i] tokens, plus `padding`
     rows as a CUDA-graph batch has: state index -1, KV slot -1, one token of block 0."""
     block_size = Bindings.BLOCK_SIZE
@@ -195,18 +201,24 @@ def step_inputs(
         carry.append(True)
     width = max(map(len, tables))
     i32 = dict(dtype=torch.int32, device=device)
-    metadata = AttentionMetadata(
+    cu_seqlens = torch.tensor(cu, **i32)
+    attention = AttentionMetadata(
         is_prefill=is_prefill,
         slot_mapping=torch.cat(slots).to(device),
-        cu_seqlens_q=torch.tensor(cu, **i32),
+        cu_seqlens_q=cu_seqlens,
         context_lens=torch.tensor(context_lens, **i32),
         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], **i32),
         max_seqlen_q=max(counts),
         max_context_len=max(context_lens),
+    )
+    mamba = MambaMetadata(
+        is_prefill=is_prefill,
+        cu_seqlens_q=cu_seqlens,
         state_indices=torch.tensor([indices], **i32),  # one state group
         has_initial_state=torch.tensor(carry, dtype=torch.bool, device=device),
     )
-    return torch.cat(ids).to(device), torch.cat(positions).to(device), metadata
+    context = ForwardContext(attention, mamba)
+    return torch.cat(ids).to(device), torch.cat(positions).to(device), context
 
 
 PROMPTS = (6, 19, 3)
@@ -232,8 +244,8 @@ def run_request_steps(model: torch.nn.Module, device: str) -> list[torch.Tensor]
     ]
     out = []
     for counts, is_prefill, padding in plans:
-        ids, positions, metadata = step_inputs(requests, counts, is_prefill, device, padding)
-        with set_forward_context(metadata):
+        ids, positions, context = step_inputs(requests, counts, is_prefill, device, padding)
+        with set_forward_context(context):
             logits = model.compute_logits(model(ids, positions))
         out.append(logits[: sum(counts)].cpu())
         for request, n in zip(requests, counts, strict=True):
@@ -286,9 +298,9 @@ def test_fresh_request_ignores_old_state(tmp_path: Path) -> None:
 
     def logits(seed: int, carry: bool) -> torch.Tensor:
         Bindings(model, "cpu", seed)
-        ids, positions, metadata = step_inputs(requests, list(FIRST_CHUNKS), True, "cpu")
-        metadata.has_initial_state.fill_(carry)
-        with torch.inference_mode(), set_forward_context(metadata):
+        ids, positions, context = step_inputs(requests, list(FIRST_CHUNKS), True, "cpu")
+        context.mamba.has_initial_state.fill_(carry)
+        with torch.inference_mode(), set_forward_context(context):
             return model.compute_logits(model(ids, positions))
 
     assert torch.equal(logits(0, False), logits(1, False))
@@ -319,9 +331,9 @@ def test_bound_states_need_state_indices(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "mamba2")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     Bindings(model, "cpu")
-    ids, positions, metadata = step_inputs(make_requests(), list(FIRST_CHUNKS), True, "cpu")
-    metadata.state_indices = None
-    with set_forward_context(metadata), pytest.raises(RuntimeError, match="state_indices"):
+    ids, positions, context = step_inputs(make_requests(), list(FIRST_CHUNKS), True, "cpu")
+    context.mamba.state_indices = None
+    with set_forward_context(context), pytest.raises(RuntimeError, match="state_indices"):
         model(ids, positions)
 
 
@@ -551,8 +563,8 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
     n = len(requests)
     want = [hf_logits(hf, r.tokens) for r in requests]
 
-    def run(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata):
-        with torch.inference_mode(), set_forward_context(metadata):
+    def run(ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext):
+        with torch.inference_mode(), set_forward_context(context):
             return model.compute_logits(model(ids, positions))
 
     run(*step_inputs(requests, list(PROMPTS), True, "cuda"))
@@ -572,14 +584,15 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
         graph_logits = run(*static)
 
     for step in range(DECODE_STEPS):
-        ids, positions, metadata = step_inputs(requests, [1] * n, False, "cuda", padding=1)
+        ids, positions, context = step_inputs(requests, [1] * n, False, "cuda", padding=1)
         static[0].copy_(ids)
         static[1].copy_(positions)
-        for name in ("slot_mapping", "context_lens", "block_tables", "state_indices"):
-            getattr(static[2], name).copy_(getattr(metadata, name))
-        static[2].has_initial_state.copy_(metadata.has_initial_state)
+        for name in ("slot_mapping", "context_lens", "block_tables"):
+            getattr(static[2].attention, name).copy_(getattr(context.attention, name))
+        for name in ("state_indices", "has_initial_state"):
+            getattr(static[2].mamba, name).copy_(getattr(context.mamba, name))
         before = [t.clone() for t in caches]
-        eager = run(ids, positions, metadata)
+        eager = run(ids, positions, context)
         after = [t.clone() for t in caches]
         for t, b in zip(caches, before, strict=True):
             t.copy_(b)

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.attention import Attention, ForwardContext, set_forward_context
 from extkv.models import LlamaForCausalLM, load_model, model_facts
 from extkv.models.config import head_dim
 
@@ -67,9 +67,9 @@ def prompts(vocab_size: int = TINY["vocab_size"]) -> list[torch.Tensor]:
 def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Logits of every token of a packed batch (no KV cache bound: causal per sequence)."""
     lengths = [len(t) for t in token_ids]
-    metadata = AttentionMetadata.packed_prefill(lengths, "cpu")
+    context = ForwardContext.packed_prefill(lengths, "cpu")
     positions = torch.cat([torch.arange(n) for n in lengths])
-    with set_forward_context(metadata):
+    with set_forward_context(context):
         hidden = model(torch.cat(token_ids), positions)
     return model.compute_logits(hidden)
 

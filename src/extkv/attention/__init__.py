@@ -1,6 +1,19 @@
 """Attention: the layer models use, the per-step metadata, and the ops behind it."""
 
 from extkv.attention.layer import Attention
-from extkv.attention.metadata import AttentionMetadata, get_forward_context, set_forward_context
+from extkv.attention.metadata import (
+    AttentionMetadata,
+    ForwardContext,
+    MambaMetadata,
+    get_forward_context,
+    set_forward_context,
+)
 
-__all__ = ["Attention", "AttentionMetadata", "get_forward_context", "set_forward_context"]
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "ForwardContext",
+    "MambaMetadata",
+    "get_forward_context",
+    "set_forward_context",
+]

@@ -47,7 +47,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """qkv (T, (num_heads + 2 num_kv_heads) * head_dim), positions (T,), the rotary
         table (max_position, rotary_dim) -> (T, num_heads * head_dim)."""
-        metadata = get_forward_context()
+        metadata = get_forward_context().attention
         q_weight, k_weight, eps = qk_norm or (None, None, 0.0)
         prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
         if self.k_cache.numel() == 0:

@@ -1,8 +1,10 @@
-"""What one forward step tells every attention layer about the batch.
+"""What one forward step tells every layer about the batch, per kind of layer.
 
-The model runner fills one `AttentionMetadata` per step and publishes it with
-`set_forward_context`; attention layers read it with `get_forward_context`, so
-model code stays free of paging details (the nano-vllm pattern).
+The model runner builds one `ForwardContext` per step and publishes it with
+`set_forward_context`; layers read it with `get_forward_context` and take their
+own kind's part (attention layers `.attention`, Mamba mixers `.mamba`), so model
+code stays free of paging details (the nano-vllm pattern) and a new kind of
+layer adds its own metadata without touching the others'.
 """
 
 from __future__ import annotations
@@ -31,47 +33,72 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq), -1 padded
     max_seqlen_q: int
     max_context_len: int
-    # Recurrent-state layers (Mamba): per state group, the cache block holding each
-    # sequence's state (-1: a padding row, never written), and whether that state
-    # continues an earlier step (False: start from zeros).
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the step (padding rows of a graph batch included)."""
+        return self.context_lens.numel()
+
+
+@dataclass
+class MambaMetadata:
+    """What recurrent-state layers need of a step: the sequence boundaries, per state
+    group the cache block holding each sequence's state (-1: a padding row, never
+    written), and whether that state continues an earlier step (False: zeros)."""
+
+    is_prefill: bool
+    cu_seqlens_q: torch.Tensor  # int32 (num_seqs + 1,)
     state_indices: torch.Tensor | None = None  # int32 (num_state_groups, num_seqs)
     has_initial_state: torch.Tensor | None = None  # bool (num_seqs,)
 
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the step (padding rows of a graph batch included)."""
+        return self.cu_seqlens_q.numel() - 1
+
+
+@dataclass
+class ForwardContext:
+    """One step's metadata, one part per kind of layer (None: the step has no such part)."""
+
+    attention: AttentionMetadata
+    mamba: MambaMetadata | None = None
+
     @classmethod
-    def packed_prefill(cls, lengths: list[int], device: torch.device | str) -> AttentionMetadata:
+    def packed_prefill(cls, lengths: list[int], device: torch.device | str) -> ForwardContext:
         """A prefill of whole sequences of these lengths, written to no cache: what the
-        profiling run (and a test of a model without its KV cache) feeds attention."""
+        profiling run (and a test of a model without its KV cache) feeds the layers."""
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        return cls(
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+        attention = AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            cu_seqlens_q=cu_seqlens,
             context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
             block_tables=torch.zeros(len(lengths), 0, dtype=torch.int32, device=device),
             max_seqlen_q=max(lengths),
             max_context_len=max(lengths),
         )
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.numel()
+        return cls(attention, MambaMetadata(is_prefill=True, cu_seqlens_q=cu_seqlens))
 
 
-_context: AttentionMetadata | None = None
+_context: ForwardContext | None = None
 
 
-def get_forward_context() -> AttentionMetadata:
+def get_forward_context() -> ForwardContext:
+    """The context of the step running now (layers call this inside forward)."""
     if _context is None:
-        raise RuntimeError("attention ran outside a forward context (set_forward_context)")
+        raise RuntimeError("a layer ran outside a forward context (set_forward_context)")
     return _context
 
 
 @contextmanager
-def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    """Publish `context` to every layer for the duration of one forward pass."""
     global _context
-    previous, _context = _context, metadata
+    previous, _context = _context, context
     try:
         yield
     finally:

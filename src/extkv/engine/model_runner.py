@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from extkv.attention import Attention, AttentionMetadata, set_forward_context
+from extkv.attention import Attention, ForwardContext, set_forward_context
 from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
@@ -148,13 +148,13 @@ class ModelRunner:
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
         lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
-        metadata = AttentionMetadata.packed_prefill(lengths, self.device)
+        context = ForwardContext.packed_prefill(lengths, self.device)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         before = self._memory_high_water_mark(reset=True)
-        with set_forward_context(metadata):
+        with set_forward_context(context):
             hidden = self.model(input_ids, positions)
-        last_tokens = metadata.cu_seqlens_q[1:].long() - 1
+        last_tokens = context.attention.cu_seqlens_q[1:].long() - 1
         logits = self.model.compute_logits(hidden[last_tokens])
         logits.argmax(dim=-1)
         del hidden, logits
@@ -210,12 +210,12 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------
 
-    def _hidden(self, metadata: AttentionMetadata, views: StepViews) -> torch.Tensor:
+    def _hidden(self, context: ForwardContext, views: StepViews) -> torch.Tensor:
         """The forward pass over staged inputs; pending input tokens come from the device."""
         sources = views.token_sources
         pending = self.last_tokens[sources.clamp(min=0)]
         input_ids = torch.where(sources >= 0, pending, views.input_ids)
-        with set_forward_context(metadata):
+        with set_forward_context(context):
             return self.model(input_ids, views.positions)
 
     def _decode_shape(self, bs: int) -> StepShape:
@@ -225,8 +225,8 @@ class ModelRunner:
         """The static decode step of `bs` staged rows (what the graphs capture): logits and
         greedy tokens into persistent outputs."""
         views = self.buffers.views(self._decode_shape(bs), 0)
-        metadata = views.metadata(False, 1, self.config.max_model_len)
-        logits = self.model.compute_logits(self._hidden(metadata, views))
+        context = views.context(False, 1, self.config.max_model_len)
+        logits = self.model.compute_logits(self._hidden(context, views))
         self.logits[:bs] = logits
         self.greedy_tokens[:bs] = logits.argmax(dim=-1)
 
@@ -249,12 +249,12 @@ class ModelRunner:
             return self.logits[:n], self.greedy_tokens[:n]
         shape = StepShape(inputs.num_tokens, n, inputs.block_tables.shape[1])
         views = self.buffers.stage(inputs, shape)
-        metadata = views.metadata(
+        context = views.context(
             inputs.is_prefill,
             int((inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).max()),
             int(inputs.seqs[0].max()),
         )
-        hidden = self._hidden(metadata, views)
+        hidden = self._hidden(context, views)
         if not len(inputs.sample_rows):
             return None
         if not inputs.is_prefill:  # a decode samples every row

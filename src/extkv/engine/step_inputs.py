@@ -20,7 +20,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from extkv.attention import AttentionMetadata
+from extkv.attention import AttentionMetadata, ForwardContext, MambaMetadata
 from extkv.engine.step_plan import StepPlan
 from extkv.kv_cache.plan import BlockNeeds
 
@@ -135,11 +135,9 @@ class StepViews:
     sample_rows: torch.Tensor
     block_tables: torch.Tensor
 
-    def metadata(
-        self, is_prefill: bool, max_seqlen_q: int, max_context_len: int
-    ) -> AttentionMetadata:
-        """This step's attention metadata over these views; state fields only with state groups."""
-        return AttentionMetadata(
+    def context(self, is_prefill: bool, max_seqlen_q: int, max_context_len: int) -> ForwardContext:
+        """The step's forward context over these views (a Mamba part only with state groups)."""
+        attention = AttentionMetadata(
             is_prefill=is_prefill,
             slot_mapping=self.slot_mapping,
             cu_seqlens_q=self.cu_seqlens,
@@ -147,8 +145,12 @@ class StepViews:
             block_tables=self.block_tables,
             max_seqlen_q=max_seqlen_q,
             max_context_len=max_context_len,
-            state_indices=self.state_indices,
-            has_initial_state=None if self.state_indices is None else self.has_initial_state != 0,
+        )
+        if self.state_indices is None:
+            return ForwardContext(attention)
+        carried = self.has_initial_state != 0
+        return ForwardContext(
+            attention, MambaMetadata(is_prefill, self.cu_seqlens, self.state_indices, carried)
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from extkv.attention import AttentionMetadata, get_forward_context
+from extkv.attention import MambaMetadata, get_forward_context
 from extkv.distributed import current_group
 from extkv.models import ops
 from extkv.models.mamba2_ops import causal_conv_varlen, ssd_varlen, ssm_step, time_step
@@ -139,7 +139,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, hidden_size) -> (T, hidden_size)."""
         d = self.dims
-        metadata = get_forward_context()
+        metadata = get_forward_context().mamba
         gate, xBC, dt = self.in_proj(hidden).split(
             [d.intermediate_size, d.conv_dim, d.num_heads], dim=-1
         )
@@ -149,12 +149,12 @@ class Mamba2Mixer(nn.Module):
             y = self._forward_torch(xBC, dt, metadata)
         return self.out_proj(self.norm(y.flatten(1), gate))
 
-    def _state_indices(self, metadata: AttentionMetadata) -> torch.Tensor:
+    def _state_indices(self, metadata: MambaMetadata) -> torch.Tensor:
         """This layer's state rows: hybrid models cut Mamba layers into groups (see
         extkv.kv_cache.plan), each with its own state block per sequence."""
         return metadata.state_indices[self.state_group]
 
-    def _bound(self, metadata: AttentionMetadata) -> bool:
+    def _bound(self, metadata: MambaMetadata) -> bool:
         if self.ssm_state.numel() == 0:
             return False
         if metadata.state_indices is None or metadata.has_initial_state is None:
@@ -174,7 +174,7 @@ class Mamba2Mixer(nn.Module):
         )
 
     def _forward_torch(
-        self, xBC: torch.Tensor, dt: torch.Tensor, metadata: AttentionMetadata
+        self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
     ) -> torch.Tensor:
         """Any step on any device; prefill everywhere. Returns y (T, H, P) in fp32."""
         bound = self._bound(metadata)
@@ -208,7 +208,7 @@ class Mamba2Mixer(nn.Module):
         return y
 
     def _initial_states(
-        self, metadata: AttentionMetadata, bound: bool, dtype: torch.dtype
+        self, metadata: MambaMetadata, bound: bool, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's (ssm, conv) state to continue from: its row, or zeros."""
         ssm_shape, conv_shape = self.state_shapes()
@@ -226,7 +226,7 @@ class Mamba2Mixer(nn.Module):
         return ssm, conv
 
     def _decode_triton(
-        self, xBC: torch.Tensor, dt: torch.Tensor, metadata: AttentionMetadata
+        self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
     ) -> torch.Tensor:
         """One token per sequence on the GPU: two kernels that update the states in
         place, no host syncs (CUDA-graph capturable). Returns y (S, H, P) in fp32."""
