@@ -1,0 +1,60 @@
+"""Helpers shared by several test modules. They live here, not in a test module, so that
+importing one never collects (or runs the imports of) another module's tests."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+MAMBA_VOCAB = 128
+# transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
+# mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
+HF_GROUPS = 2 if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else 1
+# Chunks of 8: the prompts span several.
+MAMBA = dict(state_size=16, n_groups=HF_GROUPS, conv_kernel=4, chunk_size=8)
+MAMBA_FAMILIES = {
+    "mamba2": (
+        transformers.Mamba2Config,
+        transformers.Mamba2ForCausalLM,
+        dict(hidden_size=32, num_heads=8, head_dim=8, num_hidden_layers=2, **MAMBA),
+    ),
+    "bamba": (
+        transformers.BambaConfig,
+        transformers.BambaForCausalLM,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=HF_GROUPS,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            max_position_embeddings=128,
+        ),
+    ),
+}
+
+
+def make_mamba_checkpoint(
+    path: Path, family: str, **overrides: object
+) -> transformers.PreTrainedModel:
+    """A tiny random Mamba2 or Bamba saved to `path`: every parameter drawn wide (std 0.3),
+    so a wrong op or a lost state moves the logits far; dt biased low for long memory."""
+    config_class, model_class, tiny = MAMBA_FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(vocab_size=MAMBA_VOCAB, **{**tiny, **overrides})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(std=0.3)
+            if name.endswith("dt_bias"):
+                param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
+    model.save_pretrained(path)
+    return model
