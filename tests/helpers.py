@@ -10,6 +10,9 @@ import torch
 import transformers
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
+from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.sequence import Sequence
+
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
 # mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
@@ -58,3 +61,11 @@ def make_mamba_checkpoint(
                 param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
     model.save_pretrained(path)
     return model
+
+
+def make_sequence(
+    request_id: str, tokens: list[int], params: SamplingParams | None = None
+) -> Sequence:
+    """A request as the scheduler and the block manager hold it, with no engine around:
+    the one place the unit tests build a `Sequence`."""
+    return Sequence(request_id, tokens, params or SamplingParams(), None)
