@@ -68,4 +68,4 @@ def make_sequence(
 ) -> Sequence:
     """A request as the scheduler and the block manager hold it, with no engine around:
     the one place the unit tests build a `Sequence`."""
-    return Sequence(request_id, tokens, params or SamplingParams(), None)
+    return Sequence(request_id, tokens, params or SamplingParams())

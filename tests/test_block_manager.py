@@ -12,8 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from extkv.engine.block_manager import BlockManager, BlockNeeds
+from extkv.engine.block_manager import BlockManager
 from extkv.engine.sequence import Sequence
+from extkv.kv_cache.plan import BlockNeeds
 from helpers import make_sequence
 
 ATTENTION = BlockNeeds(block_size=4)

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extkv.engine.block_manager import BlockManager, BlockNeeds
+from extkv.engine.block_manager import BlockManager
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
 from extkv.engine.sequence import Sequence, SequenceStatus
+from extkv.kv_cache.plan import BlockNeeds
 from helpers import make_sequence
 
 BLOCK_SIZE = 4
@@ -23,7 +24,7 @@ EOS = 0
 
 
 def next_token(seq: Sequence) -> int:
-    """A token that depends on the position only (never EOS): recomputing gives the same."""
+    """A token set by the length only (never EOS): a recomputed sequence gets the same."""
     return 100 + len(seq)
 
 
@@ -31,16 +32,12 @@ def launch_step(scheduler: Scheduler) -> list[Sequence] | None:
     """Plan a step and launch it as the engine does, without a model; return the
     sequences whose next token it samples (None: nothing to run). With `read_step`, the
     only code here that knows the step interface."""
-    batch = scheduler.schedule()
-    if batch is None:
+    plan = scheduler.schedule()
+    if plan is None:
         return None
-    sampled = [
-        seq
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-        if seq.num_computed_tokens + n == len(seq)  # its last token: the step samples
-    ]
-    scheduler.launched(batch, sampled)
-    return sampled
+    seqs = {seq.request_id: seq for seq in scheduler.running}  # a plan runs running ones
+    scheduler.launched(plan)
+    return [seqs[request.request_id] for request in plan.sampled]
 
 
 def read_step(
@@ -48,7 +45,8 @@ def read_step(
 ) -> list[Sequence]:
     """The launched step's tokens reach the host: each sampled sequence gets
     `token_for(seq)`. Returns the sequences they finished."""
-    return scheduler.update(sampled, [token_for(seq) for seq in sampled])
+    tokens = [token_for(seq) for seq in sampled]
+    return scheduler.update([seq.request_id for seq in sampled], tokens)
 
 
 def run_step(
