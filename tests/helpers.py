@@ -4,6 +4,7 @@ importing one never collects (or runs the imports of) another module's tests."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,6 +62,47 @@ def make_mamba_checkpoint(
                 param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
     model.save_pretrained(path)
     return model
+
+
+# Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
+LAYOUTS = ("split", "block_major", "hybrid")
+
+
+@dataclass
+class Cache:
+    """One layer's K/V views over the buffer that holds them (page padding included)."""
+
+    buf: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def random(
+        cls,
+        layout: str,
+        num_blocks: int,
+        block_size: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> Cache:
+        page = (block_size, heads, head_dim)
+        if layout == "split":  # (2, N, B, H, D): K and V in separate segments
+            buf = torch.randn(2, num_blocks, *page, dtype=dtype, device=device)
+            return cls(buf, buf[0], buf[1])
+        if layout == "block_major":  # (N, 2, B, H, D): K and V of a block adjacent
+            buf = torch.randn(num_blocks, 2, *page, dtype=dtype, device=device)
+            return cls(buf, buf[:, 0], buf[:, 1])
+        assert layout == "hybrid"  # K and V of a block in one page padded to a Mamba-sized page
+        kv = block_size * heads * head_dim
+        buf = torch.randn(num_blocks, 2 * kv + 16 * head_dim, dtype=dtype, device=device)
+        return cls(buf, buf[:, :kv].unflatten(1, page), buf[:, kv : 2 * kv].unflatten(1, page))
+
+    def rebased(self, buf: torch.Tensor) -> Cache:
+        """The same views over `buf`, a buffer shaped and strided like this one."""
+        k, v = (buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (self.k, self.v))
+        return Cache(buf, k, v)
 
 
 def make_sequence(
