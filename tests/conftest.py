@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from extkv.demo import make_random_checkpoint
-from test_mamba import make_checkpoint
+from helpers import make_mamba_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -23,14 +23,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def mamba2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mamba2")
-    make_checkpoint(path, "mamba2")
+    make_mamba_checkpoint(path, "mamba2")
     return path
 
 
 @pytest.fixture(scope="session")
 def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("bamba")
-    make_checkpoint(path, "bamba", num_hidden_layers=5, attn_layer_indices=[2])
+    make_mamba_checkpoint(path, "bamba", num_hidden_layers=5, attn_layer_indices=[2])
     return path
 
 

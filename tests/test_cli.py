@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,10 +53,8 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 def test_bad_flag_is_one_line_before_loading(
     config_only: Path, flags: list[str], expected: str
 ) -> None:
-    start = time.monotonic()
     line = one_line_error(extkv("serve", f"--model={config_only}", *CPU, *flags))
-    assert expected in line
-    assert time.monotonic() - start < 30  # no model was loaded
+    assert expected in line  # config_only has no weights: loading would have failed first
 
 
 def test_bad_sampling_flag_is_one_line_before_loading(config_only: Path) -> None:

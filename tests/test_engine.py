@@ -79,23 +79,53 @@ def test_legacy_and_extensible_agree_and_extensible_logs_its_flow(
     assert extkv_tokens(legacy, PROMPTS, params) == extkv_tokens(extensible, PROMPTS, params)
 
 
-def test_memory_report_fields(qwen3: Path) -> None:
-    report = LLM(qwen3, **SMALL).memory_report()
-    for key in (
-        "extensible",
-        "num_blocks",
-        "block_size",
-        "kv_cache_bytes",
-        "graph_pool_bytes",
-        "weights_bytes",
-        "activation_peak_bytes",
-        "startup_seconds",
-    ):
-        assert key in report
-    assert report["graph_pool_bytes"] == 0  # no graphs on the CPU
-    assert report["weights_bytes"] > 0 and report["startup_seconds"] > 0
+@pytest.mark.parametrize("extensible", [False, True])
+def test_memory_report_fields(qwen3: Path, extensible: bool) -> None:
+    """The report's figures follow from the model, the options and the sizing rules (on
+    the CPU: no graphs, no margin, the whole budget less weights and activations)."""
+    llm = LLM(qwen3, enable_extensible_kv_cache=extensible, block_size=32, **SMALL)
+    report = llm.memory_report()
+    assert report["extensible"] is extensible and report["block_size"] == 32
+    counts = [k for k in report if k.endswith("_bytes") or k.startswith("num_blocks")]
+    counts.remove("graph_pool_estimate_bytes")  # None where nothing was estimated
+    assert all(type(report[k]) is int for k in counts), {k: report[k] for k in counts}
+    hf = json.loads((qwen3 / "config.json").read_text())
+    kv_heads, head_dim, layers = (
+        hf["num_key_value_heads"],
+        hf["head_dim"],
+        hf["num_hidden_layers"],
+    )
+    per_block = report["bytes_per_block"]
+    assert per_block == 2 * 32 * kv_heads * head_dim * 4 * layers  # K and V, fp32
+    assert report["weights_bytes"] >= sum(
+        p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()
+    )
     budget = SMALL["cpu_memory_budget_bytes"]
-    assert report["kv_cache_bytes"] <= budget - report["weights_bytes"]
+    available = report["available_bytes"]
+    assert available == budget - report["weights_bytes"] - report["activation_peak_bytes"] > 0
+    assert (report["graph_pool_bytes"], report["graph_pool_bytes_per_rank"]) == (0, [0])
+    assert report["margin_bytes"] == 0
+    blocks = report["num_blocks"]
+    assert blocks == report["num_blocks_committed"] == llm.engine.block_manager.num_blocks
+    assert sum(report["kv_bytes_by_kind"].values()) == report["kv_cache_bytes"]
+    if extensible:
+        # Reserved for all `available` could hold; committed what is left after graphs,
+        # in whole granules.
+        assert report["graph_pool_estimate_bytes"] is None
+        assert report["num_blocks_capacity"] == available // per_block
+        assert 0 < blocks <= report["num_blocks_capacity"]
+        assert blocks * per_block <= report["kv_cache_bytes"] <= report["kv_reserved_bytes"]
+        assert report["kv_reserved_bytes"] >= report["num_blocks_capacity"] * per_block
+    else:
+        assert report["graph_pool_estimate_bytes"] == 0  # what the legacy path guessed
+        assert blocks == report["num_blocks_capacity"] == available // per_block
+        assert report["kv_cache_bytes"] == report["kv_reserved_bytes"] == blocks * per_block
+    seconds = {k: v for k, v in report.items() if k.endswith("_seconds")}
+    assert all(isinstance(v, float) and v >= 0 for v in seconds.values()), seconds
+    parts = seconds["profile_seconds"] + seconds["capture_seconds"] + seconds["extend_seconds"]
+    assert seconds["kv_setup_seconds"] >= parts
+    assert seconds["startup_seconds"] >= seconds["load_seconds"] + seconds["kv_setup_seconds"]
+    assert (seconds["extend_seconds"] > 0) == extensible
 
 
 @pytest.mark.parametrize("extensible", [False, True])

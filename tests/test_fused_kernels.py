@@ -31,7 +31,7 @@ from extkv.kernels.norm import gated_rms_norm, rms_norm
 from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
 from extkv.models import load_model, reference
 from extkv.models.layers import RotaryEmbedding
-from test_kernels import LAYOUTS, Cache
+from helpers import LAYOUTS, Cache
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -12,7 +12,7 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from test_mamba import HF_GROUPS
+from helpers import HF_GROUPS
 
 pytestmark = pytest.mark.gpu
 

@@ -25,45 +25,7 @@ from extkv.attention.reference import (
 )
 from extkv.kernels.paged_attention import paged_attention, varlen_attention
 from extkv.kernels.store_kv import store_kv
-
-LAYOUTS = ("split", "block_major", "hybrid")
-
-
-@dataclass
-class Cache:
-    """One layer's K/V views over the buffer that holds them (page padding included)."""
-
-    buf: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def random(
-        cls,
-        layout: str,
-        num_blocks: int,
-        block_size: int,
-        heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str,
-    ) -> Cache:
-        page = (block_size, heads, head_dim)
-        if layout == "split":  # (2, N, B, H, D): K and V in separate segments
-            buf = torch.randn(2, num_blocks, *page, dtype=dtype, device=device)
-            return cls(buf, buf[0], buf[1])
-        if layout == "block_major":  # (N, 2, B, H, D): K and V of a block adjacent
-            buf = torch.randn(num_blocks, 2, *page, dtype=dtype, device=device)
-            return cls(buf, buf[:, 0], buf[:, 1])
-        assert layout == "hybrid"  # K and V of a block in one page padded to a Mamba-sized page
-        kv = block_size * heads * head_dim
-        buf = torch.randn(num_blocks, 2 * kv + 16 * head_dim, dtype=dtype, device=device)
-        return cls(buf, buf[:, :kv].unflatten(1, page), buf[:, kv : 2 * kv].unflatten(1, page))
-
-    def rebased(self, buf: torch.Tensor) -> Cache:
-        """The same views over `buf`, a buffer shaped and strided like this one."""
-        k, v = (buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (self.k, self.v))
-        return Cache(buf, k, v)
+from helpers import LAYOUTS, Cache
 
 
 @dataclass
@@ -311,60 +273,6 @@ def test_decode_cuda_graph(layout: str) -> None:
             new.query.float(), ref_cache.k, ref_cache.v, new.metadata, 0.1
         )
         assert relative_error(out, ref) < GPU_TOL
-
-
-def cuda_seconds(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
-    """Seconds per call of `fn`, timed over replays of a graph of `calls` calls (no launch cost)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (calls * replays)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["split", "block_major"])
-def test_decode_bandwidth(layout: str) -> None:
-    """Decode streams K/V near the device's read bandwidth (batch 64, 512 + 256 tokens, bf16)."""
-    num_seqs, context_len, block_size, heads, head_dim = 64, 768, 16, 8, 128
-    num_blocks = num_seqs * context_len // block_size
-    cache = Cache.random(layout, num_blocks, block_size, heads, head_dim, torch.bfloat16, "cuda")
-    batch = make_batch(
-        [context_len] * num_seqs,
-        [1] * num_seqs,
-        num_blocks,
-        block_size,
-        2 * heads,
-        heads,
-        head_dim,
-        torch.bfloat16,
-        "cuda",
-    )
-    out = torch.empty_like(batch.query)
-    kv_bytes = 2 * num_seqs * context_len * heads * head_dim * 2
-    seconds = cuda_seconds(
-        lambda: paged_attention(batch.query, cache.k, cache.v, batch.metadata, 0.1, out)
-    )
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))  # read + write
-    read_bw = src.numel() / cuda_seconds(lambda: src.view(torch.int64).sum())
-    attn_bw = kv_bytes / seconds
-    print(
-        f"\ndecode {layout}: {kv_bytes / 1e6:.0f} MB of K/V in {seconds * 1e6:.1f} us = "
-        f"{attn_bw / 1e9:.0f} GB/s; copy (read + write) {copy_bw / 1e9:.0f} GB/s "
-        f"({attn_bw / copy_bw:.2f}x); read-only sum {read_bw / 1e9:.0f} GB/s "
-        f"({attn_bw / read_bw:.2f}x)"
-    )
-    assert attn_bw > 0.7 * read_bw  # 0.9x on an H200
 
 
 def backport_interpreter_index_fix() -> None:

@@ -10,7 +10,6 @@ subprocess, as in test_kernels.py) and compiled on GPU.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -22,7 +21,6 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
 from extkv.attention import (
     Attention,
@@ -36,39 +34,8 @@ from extkv.kv_cache.specs import MambaSpec
 from extkv.models import load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_ops import causal_conv_varlen, ssm_step, time_step
-from test_kernels import cuda_seconds
+from helpers import HF_GROUPS, MAMBA_FAMILIES, MAMBA_VOCAB, make_mamba_checkpoint
 
-VOCAB = 128
-# transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
-# mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
-HF_GROUPS = 2 if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else 1
-# Chunks of 8: the prompts span several.
-MAMBA = dict(state_size=16, n_groups=HF_GROUPS, conv_kernel=4, chunk_size=8)
-FAMILIES = {
-    "mamba2": (
-        transformers.Mamba2Config,
-        transformers.Mamba2ForCausalLM,
-        dict(hidden_size=32, num_heads=8, head_dim=8, num_hidden_layers=2, **MAMBA),
-    ),
-    "bamba": (
-        transformers.BambaConfig,
-        transformers.BambaForCausalLM,
-        dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            attn_layer_indices=[1],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mamba_n_heads=8,
-            mamba_d_state=16,
-            mamba_n_groups=HF_GROUPS,
-            mamba_d_conv=4,
-            mamba_chunk_size=8,
-            max_position_embeddings=128,
-        ),
-    ),
-}
 VARIANTS = [
     ("mamba2", {}),
     ("mamba2", {"use_bias": True, "tie_word_embeddings": True, "n_groups": 1}),
@@ -78,24 +45,9 @@ VARIANTS = [
 VARIANT_IDS = ["mamba2", "mamba2-bias-tied", "bamba", "bamba-bias-tied"]
 
 
-def make_checkpoint(path: Path, family: str, **overrides: object) -> transformers.PreTrainedModel:
-    """A random HF model saved to `path`: every parameter drawn wide (std 0.3), so a
-    wrong op or a lost state moves the logits far; dt biased low for long memory."""
-    config_class, model_class, tiny = FAMILIES[family]
-    torch.manual_seed(0)
-    model = model_class(config_class(vocab_size=VOCAB, **{**tiny, **overrides})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(std=0.3)
-            if name.endswith("dt_bias"):
-                param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
-    model.save_pretrained(path)
-    return model
-
-
 def random_tokens(lengths: tuple[int, ...]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths]
+    return [torch.randint(0, MAMBA_VOCAB, (n,), generator=generator) for n in lengths]
 
 
 @torch.inference_mode()
@@ -117,7 +69,7 @@ def attention_layers(model: torch.nn.Module) -> dict[str, Attention]:
 @torch.inference_mode()
 @pytest.mark.parametrize(("family", "overrides"), VARIANTS, ids=VARIANT_IDS)
 def test_packed_prefill_matches_hf(tmp_path: Path, family: str, overrides: dict) -> None:
-    hf = make_checkpoint(tmp_path, family, **overrides)
+    hf = make_mamba_checkpoint(tmp_path, family, **overrides)
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     tokens = random_tokens((5, 19, 1))
     lengths = [len(t) for t in tokens]
@@ -269,7 +221,7 @@ def expected_steps(hf: transformers.PreTrainedModel) -> list[torch.Tensor]:
 def check_request_steps(
     tmp_path: Path, family: str, overrides: dict, device: str, tol: float
 ) -> None:
-    hf = make_checkpoint(tmp_path, family, **overrides)
+    hf = make_mamba_checkpoint(tmp_path, family, **overrides)
     model, _ = load_model(tmp_path, torch.float32, torch.device(device))
     bindings = Bindings(model, device)
     before = bindings.snapshot(model)
@@ -292,7 +244,7 @@ def test_chunked_prefill_and_decode_match_hf(tmp_path: Path, family: str, overri
 def test_fresh_request_ignores_old_state(tmp_path: Path) -> None:
     """The same step run over different garbage in the bound rows gives the same logits,
     while continuing (has_initial_state True) from that garbage does not."""
-    make_checkpoint(tmp_path, "bamba")
+    make_mamba_checkpoint(tmp_path, "bamba")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     requests = make_requests()
 
@@ -311,7 +263,7 @@ def test_fresh_request_ignores_old_state(tmp_path: Path) -> None:
 
 
 def test_engine_interface(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "bamba")
+    make_mamba_checkpoint(tmp_path, "bamba")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     assert list(mixers(model)) == ["model.layers.0.mamba", "model.layers.2.mamba"]
     assert list(attention_layers(model)) == ["model.layers.1.self_attn.attn"]
@@ -328,7 +280,7 @@ def test_engine_interface(tmp_path: Path) -> None:
 
 
 def test_bound_states_need_state_indices(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "mamba2")
+    make_mamba_checkpoint(tmp_path, "mamba2")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     Bindings(model, "cpu")
     ids, positions, context = step_inputs(make_requests(), list(FIRST_CHUNKS), True, "cpu")
@@ -353,7 +305,7 @@ def rewrite_checkpoint(path: Path, drop: str) -> None:
     ],
 )
 def test_missing_tensor_is_named(tmp_path: Path, family: str, name: str) -> None:
-    make_checkpoint(tmp_path, family)
+    make_mamba_checkpoint(tmp_path, family)
     rewrite_checkpoint(tmp_path, name)
     with pytest.raises(ValueError, match=f"missing tensors: {re.escape(name)}$"):
         load_model(tmp_path, torch.float32, "cpu")
@@ -362,7 +314,7 @@ def test_missing_tensor_is_named(tmp_path: Path, family: str, name: str) -> None
 def test_unsupported_activation_is_named() -> None:
     from extkv.models import Mamba2ForCausalLM
 
-    config = transformers.Mamba2Config(**FAMILIES["mamba2"][2], hidden_act="gelu")
+    config = transformers.Mamba2Config(**MAMBA_FAMILIES["mamba2"][2], hidden_act="gelu")
     with pytest.raises(ValueError, match="'gelu'"):
         Mamba2ForCausalLM(config)
 
@@ -553,7 +505,7 @@ def test_chunked_prefill_and_decode_match_hf_gpu(
 def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
     """A bf16 decode step captured once and replayed on new inputs equals the eager step:
     logits, states and KV cache; and stays near HF's fp32 logits."""
-    hf = make_checkpoint(tmp_path, family)
+    hf = make_mamba_checkpoint(tmp_path, family)
     model, _ = load_model(tmp_path, torch.bfloat16, "cuda")
     Bindings(model, "cuda")
     caches = [m.ssm_state for m in mixers(model).values()]
@@ -606,36 +558,6 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
         assert error < 0.1 * reference.abs().max().item()
         for r in requests:
             r.done += 1
-
-
-@pytest.mark.gpu
-def test_decode_kernels_bandwidth() -> None:
-    """The decode kernels stream the SSM state near copy bandwidth (Bamba-9B's mixer shape,
-    batch 64, fp32 state, bf16 activations)."""
-    heads, head_dim, state, num_seqs = 128, 64, 128, 64
-    case = DecodeCase.random(
-        heads, head_dim, 1, state, 4, torch.bfloat16, "cuda", num_seqs, num_blocks=2 * num_seqs
-    )
-    case.carry.fill_(True)
-    state_bytes = 2 * num_seqs * heads * head_dim * state * 4  # read + write
-    seconds = cuda_seconds(lambda: triton_decode(case))
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        torch_decode(case, case.ssm_state, case.conv_state, LIMIT)
-    end.record()
-    end.synchronize()
-    torch_seconds = start.elapsed_time(end) / 1e3 / 5
-    bw = state_bytes / seconds
-    print(
-        f"\nmamba decode kernels, batch {num_seqs}: {seconds * 1e6:.1f} us, "
-        f"{bw / 1e9:.0f} GB/s of SSM state = {bw / copy_bw:.2f}x copy bandwidth "
-        f"({copy_bw / 1e9:.0f} GB/s); torch path (eager) {torch_seconds * 1e6:.0f} us"
-    )
-    assert bw > 0.5 * copy_bw
 
 
 def patch_interpreter_masks() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from extkv import LLM, SamplingParams
-from test_mamba import make_checkpoint
+from helpers import make_mamba_checkpoint
 
 # `bamba` (conftest): one attention layer among four Mamba layers, four state groups.
 OPTIONS = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4)
@@ -96,7 +96,9 @@ def test_hybrid_of_any_ratio_matches_transformers(
 ) -> None:
     """More attention layers than Mamba layers (4 + 1), and a ratio that leaves the last
     Mamba group short (2 + 3): attention stays one group, so one block table."""
-    make_checkpoint(tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=attention_layers)
+    make_mamba_checkpoint(
+        tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=attention_layers
+    )
     llm = LLM(tmp_path, max_num_batched_tokens=8, **OPTIONS)
     groups = llm.engine.runner.kv_plan.groups
     assert [g.spec.kind for g in groups].count("attention") == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from extkv import LLM, SamplingParams
-from test_mamba import make_checkpoint
+from helpers import make_mamba_checkpoint
 
 OPTIONS = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 SHARED = list(range(40, 90))  # 50 tokens: three full blocks of 16
@@ -50,7 +50,7 @@ def test_preemption_with_prefix_caching(qwen3: Path) -> None:
 
 
 def test_prefix_caching_is_refused_for_mamba_layers(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "mamba2")
+    make_mamba_checkpoint(tmp_path, "mamba2")
     with pytest.raises(ValueError, match="enable_prefix_caching needs a model without Mamba"):
         LLM(tmp_path, enable_prefix_caching=True, **OPTIONS)
 

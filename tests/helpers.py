@@ -1,0 +1,113 @@
+"""Helpers shared by several test modules. They live here, not in a test module, so that
+importing one never collects (or runs the imports of) another module's tests."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.sequence import Sequence
+
+MAMBA_VOCAB = 128
+# transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
+# mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
+HF_GROUPS = 2 if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else 1
+# Chunks of 8: the prompts span several.
+MAMBA = dict(state_size=16, n_groups=HF_GROUPS, conv_kernel=4, chunk_size=8)
+MAMBA_FAMILIES = {
+    "mamba2": (
+        transformers.Mamba2Config,
+        transformers.Mamba2ForCausalLM,
+        dict(hidden_size=32, num_heads=8, head_dim=8, num_hidden_layers=2, **MAMBA),
+    ),
+    "bamba": (
+        transformers.BambaConfig,
+        transformers.BambaForCausalLM,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=HF_GROUPS,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            max_position_embeddings=128,
+        ),
+    ),
+}
+
+
+def make_mamba_checkpoint(
+    path: Path, family: str, **overrides: object
+) -> transformers.PreTrainedModel:
+    """A tiny random Mamba2 or Bamba saved to `path`: every parameter drawn wide (std 0.3),
+    so a wrong op or a lost state moves the logits far; dt biased low for long memory."""
+    config_class, model_class, tiny = MAMBA_FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(vocab_size=MAMBA_VOCAB, **{**tiny, **overrides})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(std=0.3)
+            if name.endswith("dt_bias"):
+                param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
+    model.save_pretrained(path)
+    return model
+
+
+# Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
+LAYOUTS = ("split", "block_major", "hybrid")
+
+
+@dataclass
+class Cache:
+    """One layer's K/V views over the buffer that holds them (page padding included)."""
+
+    buf: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def random(
+        cls,
+        layout: str,
+        num_blocks: int,
+        block_size: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> Cache:
+        page = (block_size, heads, head_dim)
+        if layout == "split":  # (2, N, B, H, D): K and V in separate segments
+            buf = torch.randn(2, num_blocks, *page, dtype=dtype, device=device)
+            return cls(buf, buf[0], buf[1])
+        if layout == "block_major":  # (N, 2, B, H, D): K and V of a block adjacent
+            buf = torch.randn(num_blocks, 2, *page, dtype=dtype, device=device)
+            return cls(buf, buf[:, 0], buf[:, 1])
+        assert layout == "hybrid"  # K and V of a block in one page padded to a Mamba-sized page
+        kv = block_size * heads * head_dim
+        buf = torch.randn(num_blocks, 2 * kv + 16 * head_dim, dtype=dtype, device=device)
+        return cls(buf, buf[:, :kv].unflatten(1, page), buf[:, kv : 2 * kv].unflatten(1, page))
+
+    def rebased(self, buf: torch.Tensor) -> Cache:
+        """The same views over `buf`, a buffer shaped and strided like this one."""
+        k, v = (buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (self.k, self.v))
+        return Cache(buf, k, v)
+
+
+def make_sequence(
+    request_id: str, tokens: list[int], params: SamplingParams | None = None
+) -> Sequence:
+    """A request as the scheduler and the block manager hold it, with no engine around:
+    the one place the unit tests build a `Sequence`."""
+    return Sequence(request_id, tokens, params or SamplingParams())
