@@ -1,9 +1,18 @@
-"""Pieces the benchmarks share: the 0.6B-shaped model, bandwidth, timing."""
+"""Pieces the benchmarks share: the 0.6B-shaped model, bandwidth, timing, and the
+before/after mechanism (one measurement per extkv source tree, side by side)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +31,22 @@ def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
             path, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **QWEN3_0_6B_SHAPE
         )
     return path
+
+
+def tiny_checkpoint(architecture: str = "qwen3") -> Path:
+    """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
+    path = Path(f"/tmp/extkv-bench/tiny-{architecture}")
+    if not (path / "config.json").exists():
+        make_random_checkpoint(path, architecture, with_tokenizer=False)
+    return path
+
+
+def engine_options(smoke: bool) -> dict[str, object]:
+    """LLM options of a benchmark's engine: on the CPU for --smoke, else a moderate share
+    of the GPU (a benchmark's engines run one after the other, never beside another)."""
+    if smoke:
+        return {"device": "cpu", "cpu_memory_budget_bytes": 256 << 20}
+    return {"gpu_memory_utilization": 0.4}
 
 
 def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int = 20) -> float:
@@ -50,11 +75,17 @@ def device_bandwidth(gib: int = 4) -> float:
         torch.cuda.empty_cache()
 
 
+def synchronize() -> None:
+    """Wait for the GPU, where there is one (the benchmarks' smoke settings run on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     result = fn()
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start, result
 
 
@@ -86,7 +117,7 @@ def decode_throughput(llm, batch: int, vocab: int, prompt_len: int, output_len: 
 
 
 def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_len: int):
-    ids = torch.tensor(random_prompts(batch, vocab, prompt_len), device="cuda")
+    ids = torch.tensor(random_prompts(batch, vocab, prompt_len), device=model.device)
     mask = torch.ones_like(ids)
 
     def run(n: int):
@@ -100,3 +131,124 @@ def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_
         )
 
     return _throughput(run, batch, output_len)
+
+
+# --- before/after: one measurement per source tree, side by side ---------------------
+
+Rows = dict[str, dict[str, float]]  # case -> column -> figure
+Column = tuple[str, str, str]  # key, heading, format spec
+
+
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser with the options of `measure_trees` (no abbreviations: the
+    child's command line is the parent's with two of them taken out)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="an older extkv src/ tree: measure it too, each tree in a process of its own, "
+        "and print both side by side with after/before ratios",
+    )
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    """`argv` without --baseline-src and --json (and their values)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--baseline-src", "--json"):
+            skip = True
+        elif not arg.startswith(("--baseline-src=", "--json=")):
+            kept.append(arg)
+    return kept
+
+
+def _run_child(src: Path | None) -> dict:
+    """This script once more, as --child, with `src` first on PYTHONPATH (None: as this
+    process has it); its figures come back through a JSON file."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "figures.json"
+        command = [sys.executable, os.path.abspath(sys.argv[0]), *_child_argv(sys.argv[1:])]
+        command += ["--child", "--json", str(out)]
+        logger.info("measuring %s in a child process", src or "this tree")
+        code = subprocess.run(command, env=env).returncode
+        if code != 0:
+            raise SystemExit(f"the child measuring {src or 'this tree'} failed (exit {code})")
+        return json.loads(out.read_text())
+
+
+def _measured(measure: Callable[[argparse.Namespace], Rows], args: argparse.Namespace) -> dict:
+    import extkv
+
+    return {"extkv": str(Path(extkv.__file__).parent), "rows": measure(args)}
+
+
+def measure_trees(
+    args: argparse.Namespace, measure: Callable[[argparse.Namespace], Rows]
+) -> dict[str, dict] | None:
+    """{"after": this tree's figures} and with --baseline-src also {"before": ...} of that
+    tree; each {"extkv": package folder, "rows": Rows}. With --baseline-src both run in
+    fresh processes, the baseline first, one after the other: neither finds the other's
+    memory on the device, and each imports its own extkv. As --child: measure, write
+    --json, return None (the parent prints)."""
+    if args.child:
+        Path(args.json).write_text(json.dumps(_measured(measure, args)))
+        return None
+    if args.baseline_src is None:
+        return {"after": _measured(measure, args)}
+    if not (args.baseline_src / "extkv" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline-src {args.baseline_src} holds no extkv package")
+    return {"before": _run_child(args.baseline_src.resolve()), "after": _run_child(None)}
+
+
+def _cell(value: object, spec: str, width: int) -> str:
+    if not isinstance(value, int | float) or math.isnan(value):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{spec}}"
+
+
+def print_table(title: str, rows: Rows, columns: list[Column]) -> None:
+    """`rows` under `title`, one line per case; a figure a row lacks (or NaN) shows '-'."""
+    first = max([len("case"), *map(len, rows)])
+    cells = [(key, heading, spec, max(len(heading), 8)) for key, heading, spec in columns]
+    print(f"== {title}")
+    print(f"{'case':<{first}}", *(f"{heading:>{w}}" for _, heading, _, w in cells))
+    for case, row in rows.items():
+        print(f"{case:<{first}}", *(_cell(row.get(k), spec, w) for k, _, spec, w in cells))
+
+
+def ratios(after: Rows, before: Rows) -> Rows:
+    """after / before of every figure that both have (and that is not 0 before)."""
+    out: Rows = {}
+    for case, row in after.items():
+        old = before.get(case, {})
+        out[case] = {
+            k: v / old[k]
+            for k, v in row.items()
+            if isinstance(old.get(k), int | float) and old[k] and isinstance(v, int | float)
+        }
+    return out
+
+
+def report(name: str, results: dict[str, dict], columns: list[Column]) -> None:
+    """The tables of `measure_trees`' results: this tree's, then the baseline's and the
+    after/before ratios; each title names the extkv package that was measured."""
+    after = results["after"]
+    print_table(f"{name}: after ({after['extkv']})", after["rows"], columns)
+    if "before" in results:
+        before = results["before"]
+        print_table(f"{name}: before ({before['extkv']})", before["rows"], columns)
+        ratio_columns = [(k, h, ".3f") for k, h, _ in columns]
+        print_table(f"{name}: after/before", ratios(after["rows"], before["rows"]), ratio_columns)
+
+
+def write_json(path: Path | None, results: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(results, indent=1, default=str))
