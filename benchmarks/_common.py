@@ -17,15 +17,16 @@ from pathlib import Path
 
 import torch
 
-from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
-
 logger = logging.getLogger(__name__)
 
 
 def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
-    """A random bf16 checkpoint of Qwen3-0.6B's shape, built once."""
+    """A random bf16 checkpoint of Qwen3-0.6B's shape, built once (by the parent of a
+    --baseline-src run: extkv.demo is this tree's, which an older one may lack)."""
     path = Path(folder)
     if not (path / "config.json").exists():
+        from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+
         logger.info("building a random Qwen3-0.6B-shaped checkpoint in %s", path)
         make_random_checkpoint(
             path, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **QWEN3_0_6B_SHAPE
@@ -37,6 +38,8 @@ def tiny_checkpoint(architecture: str = "qwen3") -> Path:
     """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
     path = Path(f"/tmp/extkv-bench/tiny-{architecture}")
     if not (path / "config.json").exists():
+        from extkv.demo import make_random_checkpoint
+
         make_random_checkpoint(path, architecture, with_tokenizer=False)
     return path
 
@@ -93,6 +96,42 @@ def random_prompts(batch: int, vocab: int, length: int, seed: int | None = None)
     """`batch` prompts of `length` token ids in [1, vocab), seeded by `seed` (default: `batch`)."""
     gen = torch.Generator().manual_seed(batch if seed is None else seed)
     return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def profile_kernels(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """GPU ms (kernel durations summed), kernels and blocking CUDA runtime calls per
+    call of `fn`, over `calls` calls under torch.profiler (the device idle before and
+    synchronised after them, by a call not counted); read from its Chrome-trace export,
+    whose keys every torch version shares. NaN on the CPU."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    synchronize()
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(calls):
+            fn()
+        synchronize()
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    if not cuda:
+        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": math.nan}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    syncs = [
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Synchronize" in e.get("name", "")
+    ][1:]  # the closing synchronize() is ours
+    if not kernels:
+        logger.warning("the profiler recorded no kernel; gpu ms is not known")
+        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": len(syncs) / calls}
+    return {
+        "gpu_ms": sum(e.get("dur", 0.0) for e in kernels) / 1e3 / calls,
+        "kernels": len(kernels) / calls,
+        "syncs": len(syncs) / calls,
+    }
 
 
 def _throughput(run, batch: int, output_len: int) -> tuple[float, float]:

@@ -37,7 +37,6 @@ import inspect
 import json
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,10 +51,10 @@ from _common import (
     device_bandwidth,
     engine_options,
     measure_trees,
+    profile_kernels,
     qwen3_0_6b_checkpoint,
     random_prompts,
     report,
-    synchronize,
     tiny_checkpoint,
     write_json,
 )
@@ -147,40 +146,6 @@ def run_prefill(engine, request_ids: set[str], limit: int = 100_000) -> int:
     raise RuntimeError(f"the prefill of {len(request_ids)} requests took over {limit} steps")
 
 
-def profile_steps(step: Callable[[], object], steps: int) -> dict[str, float]:
-    """Kernel time, kernels and blocking runtime calls per step, from the profiler's
-    trace (its Chrome-trace export: the same keys in every torch version)."""
-    cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    synchronize()
-    with torch.profiler.profile(activities=activities) as profiler:
-        for _ in range(steps):
-            step()
-        synchronize()
-    with tempfile.TemporaryDirectory() as scratch:
-        trace = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text()).get("traceEvents", [])
-    if not cuda:
-        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": math.nan}
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    syncs = [
-        e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Synchronize" in e.get("name", "")
-    ]
-    if not kernels:
-        logger.warning("the profiler recorded no kernel; gpu ms is not known")
-        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": len(syncs) / steps}
-    return {
-        "gpu_ms": sum(e.get("dur", 0.0) for e in kernels) / 1e3 / steps,
-        "kernels": len(kernels) / steps,
-        "syncs": len(syncs) / steps,
-    }
-
-
 def step_figures(llm: LLM, batch: int, vocab: int, setting: Setting) -> dict[str, float]:
     """The figures of one batch size on `llm` (see the module's docstring)."""
     engine = llm.engine
@@ -199,7 +164,7 @@ def step_figures(llm: LLM, batch: int, vocab: int, setting: Setting) -> dict[str
             step()
         wall = (time.perf_counter() - start) / setting.timed
     figures = {"wall_ms": wall * 1e3, "host_ms": (wall - timer.seconds / setting.timed) * 1e3}
-    figures |= profile_steps(step, setting.profiled)
+    figures |= profile_kernels(step, setting.profiled)
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
     logger.info("batch %d: %d prefill steps", batch, prefill_steps)
@@ -215,9 +180,13 @@ def weights_bytes(llm: LLM, checkpoint: Path) -> int:
     return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
 
 
+def checkpoint(args) -> Path:
+    return tiny_checkpoint("qwen3") if args.smoke else qwen3_0_6b_checkpoint()
+
+
 def measure(args) -> Rows:
     setting = SMOKE if args.smoke else Setting()
-    path = tiny_checkpoint("qwen3") if args.smoke else qwen3_0_6b_checkpoint()
+    path = checkpoint(args)
     config = json.loads((path / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     bandwidth = math.nan if args.smoke else device_bandwidth()
@@ -257,6 +226,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
+    checkpoint(args)  # here, before any child: built by this tree's extkv.demo
     results = measure_trees(args, measure)
     if results is None:
         return
