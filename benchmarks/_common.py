@@ -174,7 +174,7 @@ def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_
 
 # --- before/after: one measurement per source tree, side by side ---------------------
 
-Rows = dict[str, dict[str, float]]  # case -> column -> figure
+Rows = dict[str, dict[str, float | str]]  # case -> column -> figure (or text)
 Column = tuple[str, str, str]  # key, heading, format spec
 
 
@@ -254,7 +254,9 @@ def _cell(value: object, spec: str, width: int) -> str:
 
 
 def print_table(title: str, rows: Rows, columns: list[Column]) -> None:
-    """`rows` under `title`, one line per case; a figure a row lacks (or NaN) shows '-'."""
+    """`rows` under `title`, one line per case that has a figure of `columns`; a figure
+    a row lacks (or NaN) shows '-'."""
+    rows = {case: row for case, row in rows.items() if any(k in row for k, _, _ in columns)}
     first = max([len("case"), *map(len, rows)])
     cells = [(key, heading, spec, max(len(heading), 8)) for key, heading, spec in columns]
     print(f"== {title}")
@@ -286,6 +288,26 @@ def report(name: str, results: dict[str, dict], columns: list[Column]) -> None:
         print_table(f"{name}: before ({before['extkv']})", before["rows"], columns)
         ratio_columns = [(k, h, ".3f") for k, h, _ in columns]
         print_table(f"{name}: after/before", ratios(after["rows"], before["rows"]), ratio_columns)
+    print_texts(name, results)
+
+
+def print_texts(name: str, results: dict[str, dict]) -> None:
+    """The text figures of the rows (e.g. a completion), once where both trees agree."""
+    before = results.get("before", {}).get("rows", {})
+    lines = []
+    for case, row in results["after"]["rows"].items():
+        for key, text in row.items():
+            if not isinstance(text, str):
+                continue
+            old = before.get(case, {}).get(key)
+            if old is None or old == text:
+                same = " (the same before)" if old is not None else ""
+                lines.append(f"{case} {key}{same}: {text!r}")
+            else:
+                lines += [f"{case} {key} after: {text!r}", f"{case} {key} before: {old!r}"]
+    if lines:
+        print(f"== {name}: text")
+        print("\n".join(lines))
 
 
 def write_json(path: Path | None, results: dict) -> None:
