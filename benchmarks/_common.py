@@ -206,12 +206,20 @@ def _child_argv(argv: list[str]) -> list[str]:
     return kept
 
 
+def env_with_src(src: Path | None) -> dict[str, str]:
+    """This process's environment with `src` (an extkv src/ tree) first on PYTHONPATH, so a
+    child imports that extkv; None: unchanged."""
+    env = dict(os.environ)
+    if src is not None:
+        path = str(Path(src).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    return env
+
+
 def _run_child(src: Path | None) -> dict:
     """This script once more, as --child, with `src` first on PYTHONPATH (None: as this
     process has it); its figures come back through a JSON file."""
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    env = env_with_src(src)
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "figures.json"
         command = [sys.executable, os.path.abspath(sys.argv[0]), *_child_argv(sys.argv[1:])]
@@ -244,7 +252,7 @@ def measure_trees(
         return {"after": _measured(measure, args)}
     if not (args.baseline_src / "extkv" / "__init__.py").is_file():
         raise SystemExit(f"--baseline-src {args.baseline_src} holds no extkv package")
-    return {"before": _run_child(args.baseline_src.resolve()), "after": _run_child(None)}
+    return {"before": _run_child(args.baseline_src), "after": _run_child(None)}
 
 
 def _cell(value: object, spec: str, width: int) -> str:
