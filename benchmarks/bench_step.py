@@ -5,12 +5,14 @@ blocking waits per step, and the memory-bandwidth roofline, on the Qwen3-0.6B sh
     python benchmarks/bench_step.py --smoke   # tiny model on the CPU: proves it runs
 
 The engine (random bf16 weights of Qwen3-0.6B's shape, extensible KV cache, CUDA
-graphs) is driven one `LLMEngine.step` at a time: every batch size with asynchronous
-scheduling ("async"), batch 1 also without ("sync"). Each batch gets random 512-token
-prompts (greedy, ignore_eos); the steps run until every request has its first token
-(the prefill), then `WARMUP` more, then the figures come from steady decode only:
+graphs) is driven one step at a time through `LLM.engine` (`add_request`, `step`,
+`has_unfinished_requests`; `step(finished_only=True)`, as `LLM.generate` steps, where
+the tree has it): every batch size with asynchronous scheduling ("async"), batch 1
+also without ("sync"). Each batch gets random 512-token prompts (greedy, ignore_eos);
+the steps run until every request has its first token (the prefill), then 8 more,
+then the figures come from steady decode only (--smoke: fewer steps of everything):
 
-- wall ms: `TIMED` consecutive steps timed end to end, per step (`tok/s` = batch / it).
+- wall ms: 64 consecutive steps timed end to end, per step (`tok/s` = batch / it).
 - host ms: the same steps' wall time less the time spent blocked waiting for the
   device, per step: the time inside `torch.cuda.Event.synchronize`,
   `torch.cuda.Stream.synchronize`, `torch.cuda.synchronize`, and `item`, `tolist`,
@@ -18,7 +20,7 @@ prompts (greedy, ignore_eos); the steps run until every request has its first to
   step (scheduling, inputs, launches, bookkeeping); a wait the engine makes some other
   way counts as host time, which `syncs` would show.
 - gpu ms: the durations of the CUDA kernels that torch.profiler records over
-  `PROFILED` more steps (the device idle before and synchronised after them), summed
+  32 more steps (the device idle before and synchronised after them), summed
   and divided by the steps; `kernels` is their count per step, `syncs` the number of
   blocking CUDA runtime calls (names with "Synchronize") per step.
 - roof ms: the bytes a step must read (the weights, plus the K and V of every
