@@ -1,27 +1,55 @@
-"""Pieces the benchmarks share: the 0.6B-shaped model, bandwidth, timing."""
+"""Pieces the benchmarks share: the 0.6B-shaped model, bandwidth, timing, and the
+before/after mechanism (one measurement per extkv source tree, side by side)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
-    """A random bf16 checkpoint of Qwen3-0.6B's shape, built once."""
+    """A random bf16 checkpoint of Qwen3-0.6B's shape, built once (by the parent of a
+    --baseline-src run: extkv.demo is this tree's, which an older one may lack)."""
     path = Path(folder)
     if not (path / "config.json").exists():
+        from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+
         logger.info("building a random Qwen3-0.6B-shaped checkpoint in %s", path)
         make_random_checkpoint(
             path, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **QWEN3_0_6B_SHAPE
         )
     return path
+
+
+def tiny_checkpoint(architecture: str = "qwen3") -> Path:
+    """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
+    path = Path(f"/tmp/extkv-bench/tiny-{architecture}")
+    if not (path / "config.json").exists():
+        from extkv.demo import make_random_checkpoint
+
+        make_random_checkpoint(path, architecture, with_tokenizer=False)
+    return path
+
+
+def engine_options(smoke: bool) -> dict[str, object]:
+    """LLM options of a benchmark's engine: on the CPU for --smoke, else a moderate share
+    of the GPU (a benchmark's engines run one after the other, never beside another)."""
+    if smoke:
+        return {"device": "cpu", "cpu_memory_budget_bytes": 256 << 20}
+    return {"gpu_memory_utilization": 0.4}
 
 
 def copy_bandwidth(src: torch.Tensor, dst: torch.Tensor, repeats: int = 20) -> float:
@@ -50,11 +78,17 @@ def device_bandwidth(gib: int = 4) -> float:
         torch.cuda.empty_cache()
 
 
+def synchronize() -> None:
+    """Wait for the GPU, where there is one (the benchmarks' smoke settings run on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     result = fn()
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start, result
 
 
@@ -62,6 +96,42 @@ def random_prompts(batch: int, vocab: int, length: int, seed: int | None = None)
     """`batch` prompts of `length` token ids in [1, vocab), seeded by `seed` (default: `batch`)."""
     gen = torch.Generator().manual_seed(batch if seed is None else seed)
     return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
+
+
+def profile_kernels(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """GPU ms (kernel durations summed), kernels and blocking CUDA runtime calls per
+    call of `fn`, over `calls` calls under torch.profiler (the device idle before and
+    synchronised after them, by a call not counted); read from its Chrome-trace export,
+    whose keys every torch version shares. NaN on the CPU."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    synchronize()
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(calls):
+            fn()
+        synchronize()
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    if not cuda:
+        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": math.nan}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    syncs = [
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Synchronize" in e.get("name", "")
+    ][1:]  # the closing synchronize() is ours
+    if not kernels:
+        logger.warning("the profiler recorded no kernel; gpu ms is not known")
+        return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": len(syncs) / calls}
+    return {
+        "gpu_ms": sum(e.get("dur", 0.0) for e in kernels) / 1e3 / calls,
+        "kernels": len(kernels) / calls,
+        "syncs": len(syncs) / calls,
+    }
 
 
 def _throughput(run, batch: int, output_len: int) -> tuple[float, float]:
@@ -86,7 +156,7 @@ def decode_throughput(llm, batch: int, vocab: int, prompt_len: int, output_len: 
 
 
 def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_len: int):
-    ids = torch.tensor(random_prompts(batch, vocab, prompt_len), device="cuda")
+    ids = torch.tensor(random_prompts(batch, vocab, prompt_len), device=model.device)
     mask = torch.ones_like(ids)
 
     def run(n: int):
@@ -100,3 +170,154 @@ def hf_decode_throughput(model, batch: int, vocab: int, prompt_len: int, output_
         )
 
     return _throughput(run, batch, output_len)
+
+
+# --- before/after: one measurement per source tree, side by side ---------------------
+
+Rows = dict[str, dict[str, float | str]]  # case -> column -> figure (or text)
+Column = tuple[str, str, str]  # key, heading, format spec
+
+
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser with the options of `measure_trees` (no abbreviations: the
+    child's command line is the parent's with two of them taken out)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="an older extkv src/ tree: measure it too, each tree in a process of its own, "
+        "and print both side by side with after/before ratios",
+    )
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    """`argv` without --baseline-src and --json (and their values)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--baseline-src", "--json"):
+            skip = True
+        elif not arg.startswith(("--baseline-src=", "--json=")):
+            kept.append(arg)
+    return kept
+
+
+def env_with_src(src: Path | None) -> dict[str, str]:
+    """This process's environment with `src` (an extkv src/ tree) first on PYTHONPATH, so a
+    child imports that extkv; None: unchanged."""
+    env = dict(os.environ)
+    if src is not None:
+        path = str(Path(src).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    return env
+
+
+def _run_child(src: Path | None) -> dict:
+    """This script once more, as --child, with `src` first on PYTHONPATH (None: as this
+    process has it); its figures come back through a JSON file."""
+    env = env_with_src(src)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "figures.json"
+        command = [sys.executable, os.path.abspath(sys.argv[0]), *_child_argv(sys.argv[1:])]
+        command += ["--child", "--json", str(out)]
+        logger.info("measuring %s in a child process", src or "this tree")
+        code = subprocess.run(command, env=env).returncode
+        if code != 0:
+            raise SystemExit(f"the child measuring {src or 'this tree'} failed (exit {code})")
+        return json.loads(out.read_text())
+
+
+def _measured(measure: Callable[[argparse.Namespace], Rows], args: argparse.Namespace) -> dict:
+    import extkv
+
+    return {"extkv": str(Path(extkv.__file__).parent), "rows": measure(args)}
+
+
+def measure_trees(
+    args: argparse.Namespace, measure: Callable[[argparse.Namespace], Rows]
+) -> dict[str, dict] | None:
+    """{"after": this tree's figures} and with --baseline-src also {"before": ...} of that
+    tree; each {"extkv": package folder, "rows": Rows}. With --baseline-src both run in
+    fresh processes, the baseline first, one after the other: neither finds the other's
+    memory on the device, and each imports its own extkv. As --child: measure, write
+    --json, return None (the parent prints)."""
+    if args.child:
+        Path(args.json).write_text(json.dumps(_measured(measure, args)))
+        return None
+    if args.baseline_src is None:
+        return {"after": _measured(measure, args)}
+    if not (args.baseline_src / "extkv" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline-src {args.baseline_src} holds no extkv package")
+    return {"before": _run_child(args.baseline_src), "after": _run_child(None)}
+
+
+def _cell(value: object, spec: str, width: int) -> str:
+    if not isinstance(value, int | float) or math.isnan(value):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{spec}}"
+
+
+def print_table(title: str, rows: Rows, columns: list[Column]) -> None:
+    """`rows` under `title`, one line per case that has a figure of `columns`; a figure
+    a row lacks (or NaN) shows '-'."""
+    rows = {case: row for case, row in rows.items() if any(k in row for k, _, _ in columns)}
+    first = max([len("case"), *map(len, rows)])
+    cells = [(key, heading, spec, max(len(heading), 8)) for key, heading, spec in columns]
+    print(f"== {title}")
+    print(f"{'case':<{first}}", *(f"{heading:>{w}}" for _, heading, _, w in cells))
+    for case, row in rows.items():
+        print(f"{case:<{first}}", *(_cell(row.get(k), spec, w) for k, _, spec, w in cells))
+
+
+def ratios(after: Rows, before: Rows) -> Rows:
+    """after / before of every figure that both have (and that is not 0 before)."""
+    out: Rows = {}
+    for case, row in after.items():
+        old = before.get(case, {})
+        out[case] = {
+            k: v / old[k]
+            for k, v in row.items()
+            if isinstance(old.get(k), int | float) and old[k] and isinstance(v, int | float)
+        }
+    return out
+
+
+def report(name: str, results: dict[str, dict], columns: list[Column]) -> None:
+    """The tables of `measure_trees`' results: this tree's, then the baseline's and the
+    after/before ratios; each title names the extkv package that was measured."""
+    after = results["after"]
+    print_table(f"{name}: after ({after['extkv']})", after["rows"], columns)
+    if "before" in results:
+        before = results["before"]
+        print_table(f"{name}: before ({before['extkv']})", before["rows"], columns)
+        ratio_columns = [(k, h, ".3f") for k, h, _ in columns]
+        print_table(f"{name}: after/before", ratios(after["rows"], before["rows"]), ratio_columns)
+    print_texts(name, results)
+
+
+def print_texts(name: str, results: dict[str, dict]) -> None:
+    """The text figures of the rows (e.g. a completion), once where both trees agree."""
+    before = results.get("before", {}).get("rows", {})
+    lines = []
+    for case, row in results["after"]["rows"].items():
+        for key, text in row.items():
+            if not isinstance(text, str):
+                continue
+            old = before.get(case, {}).get(key)
+            if old is None or old == text:
+                same = " (the same before)" if old is not None else ""
+                lines.append(f"{case} {key}{same}: {text!r}")
+            else:
+                lines += [f"{case} {key} after: {text!r}", f"{case} {key} before: {old!r}"]
+    if lines:
+        print(f"== {name}: text")
+        print("\n".join(lines))
+
+
+def write_json(path: Path | None, results: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(results, indent=1, default=str))

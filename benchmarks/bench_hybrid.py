@@ -1,73 +1,136 @@
 """Decode throughput of a hybrid attention + Mamba2 model: extkv vs transformers, one run.
 
-    python benchmarks/bench_hybrid.py [--batch-sizes 1 64] [--json OUT]
+    python benchmarks/bench_hybrid.py [--batch-sizes 1 64] [--baseline-src DIR] [--json OUT]
+    python benchmarks/bench_hybrid.py --smoke   # tiny Bamba on the CPU: proves it runs
 
 Random bf16 weights of BAMBA_BENCH_SHAPE (16 layers, 3 of them attention),
 256-token prompts, 128 output tokens, greedy; decode-only figures remove the
-prefill as in bench_decode.
+prefill as in bench_decode. With --baseline-src an older extkv tree runs the same
+(each tree in a process of its own) and the tables show both with after/before
+ratios; transformers runs once, after them, in this process.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 
-from _common import decode_throughput, hf_decode_throughput
+from _common import (
+    Column,
+    Rows,
+    benchmark_parser,
+    decode_throughput,
+    engine_options,
+    hf_decode_throughput,
+    measure_trees,
+    report,
+    tiny_checkpoint,
+    write_json,
+)
 from extkv import LLM
-from extkv.demo import BAMBA_BENCH_SHAPE, make_random_checkpoint
 
-PROMPT_LEN, OUTPUT_LEN = 256, 128
+COLUMNS: list[Column] = [
+    ("extkv_tok_s", "extkv", ".0f"),
+    ("hf_tok_s", "hf", ".0f"),
+    ("vs_hf", "ratio", ".1f"),
+    ("extkv_decode_tok_s", "dec extkv", ".0f"),
+    ("hf_decode_tok_s", "dec hf", ".0f"),
+    ("num_blocks", "blocks", ".0f"),
+    ("block_size", "block", ".0f"),
+]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The shapes of one run: the real one, or --smoke's."""
+
+    prompt_len: int = 256
+    output_len: int = 128
+    batch_sizes: tuple[int, ...] = (1, 64)
+
+
+SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
 
 
 def bamba_checkpoint(folder: str = "/tmp/extkv-bench/bamba") -> Path:
     path = Path(folder)
     if not (path / "config.json").exists():
+        from extkv.demo import BAMBA_BENCH_SHAPE, make_random_checkpoint
+
         make_random_checkpoint(
             path, "bamba", with_tokenizer=False, dtype=torch.bfloat16, **BAMBA_BENCH_SHAPE
         )
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    path = bamba_checkpoint()
-    vocab = BAMBA_BENCH_SHAPE["vocab_size"]
-    rows: dict[int, dict[str, float]] = {}
+def checkpoint(args) -> Path:
+    return tiny_checkpoint("bamba") if args.smoke else bamba_checkpoint()
+
+
+def vocab_size(path: Path) -> int:
+    return transformers.AutoConfig.from_pretrained(path).vocab_size
+
+
+def measure(args) -> Rows:
+    """extkv's figures per batch size (and its KV cache's blocks)."""
+    setting = SMOKE if args.smoke else Setting()
+    path = checkpoint(args)
+    batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     llm = LLM(
         str(path),
         enable_extensible_kv_cache=True,
-        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-        max_num_seqs=max(args.batch_sizes),
+        max_model_len=setting.prompt_len + setting.output_len + 16,
+        max_num_seqs=max(batch_sizes),
+        **engine_options(args.smoke),
     )
-    for batch in args.batch_sizes:
-        e2e, decode = decode_throughput(llm, batch, vocab, PROMPT_LEN, OUTPUT_LEN)
-        rows[batch] = {"extkv_tok_s": e2e, "extkv_decode_tok_s": decode}
-    report = llm.memory_report()
-    llm.close()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
-    for batch in args.batch_sizes:
-        e2e, decode = hf_decode_throughput(model, batch, vocab, PROMPT_LEN, OUTPUT_LEN)
-        rows[batch].update(hf_tok_s=e2e, hf_decode_tok_s=decode)
-    print(f"hybrid: {report['num_blocks']} blocks of {report['block_size']} tokens")
-    print(f"{'batch':>5} {'extkv':>9} {'hf':>8} {'ratio':>6} {'dec extkv':>10} {'dec hf':>8}")
-    for batch, r in rows.items():
-        print(
-            f"{batch:>5} {r['extkv_tok_s']:>9.0f} {r['hf_tok_s']:>8.0f} "
-            f"{r['extkv_tok_s'] / r['hf_tok_s']:>6.1f} {r['extkv_decode_tok_s']:>10.0f} "
-            f"{r['hf_decode_tok_s']:>8.0f}"
+    memory = llm.memory_report()
+    rows: Rows = {}
+    for batch in batch_sizes:
+        e2e, decode = decode_throughput(
+            llm, batch, vocab_size(path), setting.prompt_len, setting.output_len
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"report": report, "rows": rows}, f, indent=1, default=str)
+        rows[f"b{batch}"] = {
+            "extkv_tok_s": e2e,
+            "extkv_decode_tok_s": decode,
+            "num_blocks": memory.get("num_blocks"),
+            "block_size": memory.get("block_size"),
+        }
+    llm.close()
+    return rows
+
+
+def add_transformers(args, rows: Rows) -> None:
+    """transformers `generate` on the same prompts, into `rows` (this tree's)."""
+    setting = SMOKE if args.smoke else Setting()
+    path = checkpoint(args)
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    for case, row in rows.items():
+        batch = int(case.removeprefix("b"))
+        e2e, decode = hf_decode_throughput(
+            model, batch, vocab_size(path), setting.prompt_len, setting.output_len
+        )
+        row |= {"hf_tok_s": e2e, "hf_decode_tok_s": decode, "vs_hf": row["extkv_tok_s"] / e2e}
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 64 (smoke: 1 2)")
+    parser.add_argument("--smoke", action="store_true", help="tiny Bamba on the CPU")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    checkpoint(args)  # here, before any child: built by this tree's extkv.demo
+    results = measure_trees(args, measure)
+    if results is None:
+        return
+    add_transformers(args, results["after"]["rows"])
+    report("hybrid", results, COLUMNS)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@ client with the official openai client, in the terms of vLLM's `benchmark_servin
 
     python benchmarks/bench_serve.py --model PATH [--num-prompts 1000] [--input-len 1024]
         [--output-len 128] [--request-rate inf] [--max-concurrency N] [--json OUT]
-        [-- FLAGS OF extkv serve]
+        [--server-src SRC] [-- FLAGS OF extkv serve]
     python benchmarks/bench_serve.py --base-url http://HOST:PORT --vocab-size V [...]
 
 The first form starts `extkv serve` on a free loopback port (the flags after `--` go
-to it), waits for /health and stops it with SIGINT at the end; its log goes to
+to it; --server-src runs it from another extkv src/ tree, e.g. a baseline's), waits
+for /health and stops it with SIGINT at the end; its log goes to
 `--server-log` (default: a temporary file, named in the log). The second measures a
 server already running. Without --model and --base-url it serves the tiny demo model;
 on the CPU, from the repository root:
@@ -61,7 +62,7 @@ import numpy as np
 import openai
 from tqdm import tqdm
 
-from _common import random_prompts
+from _common import env_with_src, random_prompts
 
 logger = logging.getLogger("bench_serve")
 METRICS = (  # key, heading, short name
@@ -102,16 +103,20 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def launched_server(model: Path, flags: list[str], log: Path, timeout: float) -> Iterator[str]:
-    """`extkv serve` on a free loopback port until the block ends; yields its URL."""
+def launched_server(
+    model: Path, flags: list[str], log: Path, timeout: float, src: Path | None = None
+) -> Iterator[str]:
+    """`extkv serve` on a free loopback port until the block ends (`src`: an extkv src/
+    tree to run it from, first on its PYTHONPATH); yields its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # The address comes last, so it wins over any in `flags`.
     command = [sys.executable, "-m", "extkv.cli", "serve", f"--model={model}", *flags]
     command += ["--host=127.0.0.1", f"--port={port}"]
-    logger.info("starting %s (log: %s)", " ".join(command), log)
+    env = env_with_src(src)
+    logger.info("starting %s (log: %s; extkv from %s)", " ".join(command), log, src or "here")
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -408,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", help="default: $EXTKV_API_KEY, else none")
     server.add_argument("--server-log", type=Path, help="default: a temporary file")
     server.add_argument(
+        "--server-src",
+        type=Path,
+        help="run the launched server from this extkv src/ tree (e.g. a baseline's)",
+    )
+    server.add_argument(
         "--server-timeout", type=float, default=900, help="seconds to start (%(default)s)"
     )
     work = parser.add_argument_group("workload")
@@ -454,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, server_flags = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.base_url and server_flags:
-        parser.error("the flags after -- are for a server this launches; not with --base-url")
+    if args.base_url and (server_flags or args.server_src):
+        parser.error("the flags after -- and --server-src are for a server this launches")
     if not (args.request_rate > 0 and args.burstiness > 0):
         parser.error("--request-rate and --burstiness must be > 0")
     if min(args.num_prompts, args.input_len, args.output_len) < 1 or args.num_warmups < 0:
@@ -486,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.close(handle)
                 log = Path(name)
             url = stack.enter_context(
-                launched_server(args.model, server_flags, log, args.server_timeout)
+                launched_server(args.model, server_flags, log, args.server_timeout, args.server_src)
             )
         url = url.rstrip("/").removesuffix("/v1")
         results, duration, facts = asyncio.run(
