@@ -70,6 +70,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.prompts.start()
         server.engine.start()
         yield
         await server.engine.stop()
@@ -289,7 +290,7 @@ class _Server:
 
     async def _parse(self, request: Request, model: type[T]) -> T:
         """The JSON body as `model`, parsed off the event loop."""
-        return await self.prompts.run(parse_request, model, await self._read_body(request))
+        return await self.prompts.parse(parse_request, model, await self._read_body(request))
 
     async def _read_body(self, request: Request) -> bytes:
         """The body of a JSON request, refused (413) as soon as it grows past the limit.
