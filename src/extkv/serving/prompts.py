@@ -93,7 +93,9 @@ class PromptEncoder:
             initargs=(self._tokenizer,),
         )
 
-    async def _in_worker(self, fn: Callable[..., list[int] | int], field: str, *args: Any):
+    async def _in_worker(
+        self, fn: Callable[..., list[int] | int], field: str, *args: Any
+    ) -> list[int]:
         assert self._processes is not None
         pool = self._processes
         try:
