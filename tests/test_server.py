@@ -42,6 +42,7 @@ CHAT_TEMPLATE = (
 PROMPT = [5, 6, 7, 8, 9, 100, 200]
 GREEDY = dict(temperature=0, max_tokens=16)
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
+JSON = {"Content-Type": "application/json"}
 
 
 def free_port() -> int:
@@ -421,7 +422,7 @@ def test_bad_request_gets_clear_4xx(
     server: Server, path: str, body: dict | bytes, status: int, words: str
 ) -> None:
     if isinstance(body, bytes):
-        response = httpx.post(server.url + path, content=body)
+        response = httpx.post(server.url + path, content=body, headers=JSON)
     else:
         response = httpx.post(server.url + path, json=body)
     assert response.status_code == status, response.text

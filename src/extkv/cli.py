@@ -92,7 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve the model over HTTP (OpenAI API) until interrupted."""
+    """Serve the model over HTTP (OpenAI API) until SIGTERM/SIGINT (exit 0) or until the
+    engine dies (exit 1, for a supervisor to restart it); the KV cache is freed either way."""
     from extkv import LLM
     from extkv.serving import ServerSettings, run_server
 
@@ -103,10 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(**values)
     llm = LLM.from_config(config)
     try:
-        run_server(llm.engine, settings, args.log_level)
+        return run_server(llm.engine, settings, args.log_level)
     finally:
         llm.close()
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

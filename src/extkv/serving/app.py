@@ -1,17 +1,21 @@
-"""The OpenAI-compatible HTTP server: routes, API key, size limits, streaming.
+"""The OpenAI-compatible HTTP server: routes, API key, size limits, streaming, and
+its life: started with the engine, stopped gracefully, gone when the engine dies.
 
 Handlers parse and check a request, turn it into prompt token ids and
-SamplingParams, and hand it to the `AsyncEngine`; they wait for its deltas while
-watching the connection, so a client that goes away aborts its request.
+SamplingParams (parsing and tokenizing off the event loop), and hand it to the
+`AsyncEngine`; they wait for its deltas while watching the connection, so a client
+that goes away aborts its request. Guards (`extkv.serving.guards`) come first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import hmac
 import json
 import logging
+import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
@@ -20,21 +24,31 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.sampling_params import SamplingParams
-from extkv.serving.async_engine import AsyncEngine, Delta, EngineDeadError, QueueFullError, collect
+from extkv.serving.async_engine import (
+    AsyncEngine,
+    Delta,
+    QueueFullError,
+    ServerStoppingError,
+    collect,
+)
+from extkv.serving.guards import GuardedH11Protocol, LoopbackHostGuard, is_loopback
 from extkv.serving.metrics import ServerMetrics
+from extkv.serving.prompts import PromptEncoder
 from extkv.serving.protocol import (
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     Reply,
+    check_prompt_length,
     parse_request,
     usage,
 )
@@ -43,21 +57,36 @@ from extkv.serving.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# After --shutdown-timeout, how long aborted requests have to send their last bytes
+# before uvicorn cancels them (a client that does not read would hold them forever).
+FLUSH_SECONDS = 5.0
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """The ASGI app; it starts the engine thread on startup and stops it on shutdown."""
+    """The ASGI app; it starts the engine thread on startup and stops it on shutdown.
+    `app.state.engine` is its AsyncEngine."""
     server = _Server(engine, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.prompts.start()
         server.engine.start()
         yield
         await server.engine.stop()
+        server.prompts.close()
 
     app = FastAPI(title="extkv", lifespan=lifespan)
+    app.state.engine = server.engine
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    if is_loopback(settings.host):
+        app.add_middleware(LoopbackHostGuard)  # added last: runs first
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_api_key)])
@@ -70,13 +99,79 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def run_server(engine: LLMEngine, settings: ServerSettings, log_level: str = "info") -> None:
+def make_server(
+    engine: LLMEngine, settings: ServerSettings, log_level: str = "info"
+) -> EngineServer:
+    """The app under uvicorn, with the guards and the life `EngineServer` gives it."""
+    app = build_app(engine, settings)
+    protocol = functools.partial(
+        GuardedH11Protocol,
+        read_timeout=settings.request_read_timeout,
+        max_connections=settings.max_connections,
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=protocol,  # type: ignore[arg-type]  # a protocol factory, as uvicorn calls it
+        timeout_graceful_shutdown=settings.shutdown_timeout + FLUSH_SECONDS,  # type: ignore[arg-type]
+        log_config=None,
+        log_level=log_level.lower(),
+    )
+    return EngineServer(config, app.state.engine, settings.shutdown_timeout)
+
+
+def run_server(engine: LLMEngine, settings: ServerSettings, log_level: str = "info") -> int:
+    """Serve until SIGTERM or SIGINT (then the exit status is 0) or until the engine dies
+    (1, so that a supervisor restarts it). Call from the main thread."""
     host, port = settings.host, settings.port
-    if host not in LOOPBACK and settings.api_key is None:
+    if not is_loopback(host) and settings.api_key is None:
         logger.warning("Serving on %s without --api-key: whoever reaches it can use it.", host)
     logger.info("Serving %s on http://%s:%d/v1", settings.model_name, host, port)
-    app = build_app(engine, settings)
-    uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level.lower())
+    server = make_server(engine, settings, log_level)
+    # uvicorn raises the signal it caught again once it has shut down, so that the handler
+    # it replaced runs; that handler is this no-op: the shutdown was graceful, the exit 0.
+    previous = {sig: signal.signal(sig, _shut_down_already) for sig in _STOP_SIGNALS}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.engine.error is None else 1
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _shut_down_already(signum: int, frame: object) -> None:
+    logger.info("Stopped on %s.", signal.Signals(signum).name)
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's server, tied to the engine: it stops when the engine dies, and its
+    graceful shutdown (stop accepting, let running requests finish) lasts at most
+    `shutdown_timeout` seconds before the requests left are aborted, so that streams
+    end with an error chunk instead of being cut."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.started and not self.should_exit and not self.engine.alive:
+            logger.error("The engine is dead; stopping the server.")
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        reason = f"the server is shutting down (--shutdown-timeout={self.shutdown_timeout:g})"
+        loop = asyncio.get_running_loop()
+        abort = loop.call_later(self.shutdown_timeout, self.engine.abort_all, reason)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
 
 
 class _Server:
@@ -84,10 +179,8 @@ class _Server:
         self.settings = settings
         self._metrics = ServerMetrics()
         self.engine = AsyncEngine(engine, self._metrics, settings.max_pending_requests)
-        # The engine thread decodes with engine.tokenizer; handlers encode with a copy,
-        # since one Rust tokenizer used from two threads at once can fail ("Already borrowed").
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.config.max_model_len
+        self.prompts = PromptEncoder(engine.tokenizer, settings.model_name, self.max_model_len)
         self.created = int(time.time())
 
     async def check_api_key(self, request: Request) -> None:
@@ -98,11 +191,11 @@ class _Server:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     async def completions(self, request: Request) -> Response:
-        body = parse_request(CompletionRequest, await self._read_body(request))
+        body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str):
-            prompt = self._require_tokenizer("prompt").encode(prompt)
+            prompt = await self.prompts.encode(prompt, "prompt")
         max_tokens = body.max_tokens
         if max_tokens is None:  # OpenAI's default, cut to the room the prompt leaves
             room = self.max_model_len - len(prompt)
@@ -110,9 +203,9 @@ class _Server:
         return await self._generate(request, body, prompt, max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await self._read_body(request))
+        body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        prompt = self._apply_chat_template(body.messages)
+        prompt = await self.prompts.encode_chat([m.as_dict() for m in body.messages])
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generate(request, body, prompt, max_tokens, chat=True)
 
@@ -146,7 +239,7 @@ class _Server:
         with _engine_errors():
             params = self._sampling_params(body, len(prompt), max_tokens, chat)
             if body.stop_strings:
-                self._require_tokenizer("stop")
+                self.prompts.require_tokenizer("stop")
             deltas = aiter(self.engine.submit(request_id, prompt, params, body.stop_strings))
             # Streams wait for the first delta too, so a refusal is still a plain 4xx.
             work = anext(deltas) if body.stream else collect(deltas)
@@ -168,14 +261,8 @@ class _Server:
         chat: bool,
     ) -> SamplingParams:
         """SamplingParams within the room the context leaves (None: all of it)."""
+        check_prompt_length(num_prompt_tokens, self.max_model_len, "messages" if chat else "prompt")
         room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise APIError(
-                400,
-                f"the prompt has {num_prompt_tokens} tokens, but max_model_len="
-                f"{self.max_model_len} allows at most {self.max_model_len - 1}",
-                "messages" if chat else "prompt",
-            )
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
@@ -193,33 +280,6 @@ class _Server:
             ignore_eos=body.ignore_eos,
         )
 
-    def _apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
-        tokenizer = self._require_tokenizer("messages")
-        if tokenizer.chat_template is None:
-            raise APIError(
-                400,
-                f"model {self.settings.model_name!r} has no chat template (none in its "
-                "tokenizer_config.json); use /v1/completions with a prompt instead",
-                "messages",
-            )
-        try:
-            text = tokenizer.apply_chat_template(
-                [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
-            )
-        except TemplateError as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
-        return tokenizer.encode(text, add_special_tokens=False)  # the template has them
-
-    def _require_tokenizer(self, field: str) -> Any:
-        if self.tokenizer is None:
-            raise APIError(
-                400,
-                f"{field}: model {self.settings.model_name!r} has no tokenizer, so it takes no "
-                "text; send the prompt as a list of token ids and no stop strings",
-                field,
-            )
-        return self.tokenizer
-
     def _check_model(self, model: str) -> None:
         if model != self.settings.model_name:
             raise APIError(
@@ -228,28 +288,59 @@ class _Server:
                 "model",
             )
 
+    async def _parse(self, request: Request, model: type[T]) -> T:
+        """The JSON body as `model`, parsed off the event loop."""
+        return await self.prompts.parse(parse_request, model, await self._read_body(request))
+
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) as soon as it grows past the limit."""
+        """The body of a JSON request, refused (413) as soon as it grows past the limit.
+        Only JSON is taken (415 else): a browser sends text/plain across origins without
+        asking first (a CORS "simple request"), JSON only after a preflight."""
+        _check_json(request.headers.get("content-type"))
         limit = self.settings.max_request_bytes
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body is over {limit} bytes (--max-request-bytes)")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    message = f"the request body is over {limit} bytes (--max-request-bytes)"
+                    raise APIError(413, message)
+        except ClientDisconnect:  # gone, or dropped by --request-read-timeout
+            raise APIError(400, "the client went away before sending the whole body") from None
         return bytes(body)
+
+
+def _check_json(content_type: str | None) -> None:
+    media_type, *params = (part.strip().lower() for part in (content_type or "").split(";"))
+    charset_ok = all(p.replace(" ", "") in ("charset=utf-8", "charset=utf8") for p in params)
+    if media_type != "application/json" or not charset_ok:
+        raise APIError(
+            415,
+            f"Content-Type must be application/json (UTF-8); got {content_type!r}",
+            "Content-Type",
+        )
 
 
 @contextmanager
 def _engine_errors() -> Iterator[None]:
-    """The engine's refusals as HTTP errors: bad input 400, full 429, down 503."""
+    """The engine's refusals and failures as HTTP errors (see `_as_api_error`)."""
     try:
         yield
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    except QueueFullError as e:
-        raise APIError(429, str(e)) from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+    except (ValueError, QueueFullError, *_FAILURES) as e:
+        raise _as_api_error(e) from None
+
+
+_FAILURES = (RequestFailedError, EngineDeadError, ServerStoppingError)
+
+
+def _as_api_error(error: Exception) -> APIError:
+    """Bad input 400, full 429, a failed step 500, engine dead or server stopping 503."""
+    status = 500 if isinstance(error, RequestFailedError) else 503
+    if isinstance(error, ValueError):
+        status = 400
+    elif isinstance(error, QueueFullError):
+        status = 429
+    return APIError(status, str(error))
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -284,8 +375,8 @@ async def _sse(
             if delta.finish_reason is not None:
                 break
             delta, first = await anext(rest), False
-    except EngineDeadError as e:
-        yield _event(APIError(503, str(e)).body())
+    except _FAILURES as e:  # the last chunk says why the stream ends here
+        yield _event(_as_api_error(e).body())
         return
     finally:
         await rest.aclose()  # a client gone mid-stream: abort and free its blocks now

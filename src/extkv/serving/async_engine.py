@@ -4,6 +4,10 @@ The engine is not thread-safe and its steps block, so exactly one thread owns it
 Between steps it takes commands (add, abort) from a thread-safe inbox; after each
 step it hands every request's text delta to the event loop in one callback.
 Handlers never touch the engine: they `submit` and iterate the `RequestStream`.
+
+A request whose step failed ends with `RequestFailedError` and the others carry on;
+an error the engine cannot recover from (`EngineDeadError`, or any error escaping a
+step) ends every request, and `alive` turns false for good (the server then exits).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.sampling_params import SamplingParams
@@ -31,8 +36,8 @@ class QueueFullError(Exception):
     """The server holds as many requests as it may; the client should retry later."""
 
 
-class EngineDeadError(Exception):
-    """The engine thread failed or stopped; no request can be served."""
+class ServerStoppingError(Exception):
+    """The server is shutting down: the request was aborted before it finished."""
 
 
 @dataclass
@@ -95,6 +100,13 @@ class _Live:
 _STOP = None  # the inbox command that ends the engine thread
 
 
+@dataclass(frozen=True)
+class _AbortAll:
+    """The inbox command that ends every request with `reason`."""
+
+    reason: str
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_pending: int) -> None:
         self.engine = engine
@@ -102,7 +114,7 @@ class AsyncEngine:
         self.max_pending = max_pending
         self.error: BaseException | None = None
         self._pending = 0  # submitted and not yet ended; event-loop side only
-        self._inbox: queue.SimpleQueue[_Live | str | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Live | _AbortAll | str | None] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="extkv-engine", daemon=True)
@@ -114,7 +126,12 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
+        self.metrics.update_engine(self.engine)  # capacity shown before the first request
         self._thread.start()
+
+    def abort_all(self, reason: str) -> None:
+        """End every request now with ServerStoppingError(reason); streams say so last."""
+        self._inbox.put(_AbortAll(reason))
 
     async def stop(self) -> None:
         self._inbox.put(_STOP)
@@ -155,7 +172,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
                 self.metrics.update_engine(self.engine)
-            self._fail_all(EngineDeadError("the server is shutting down"))
+            self._fail_all(ServerStoppingError("the server is shutting down"))
         except Exception as e:
             logger.exception("The engine failed; failing every request from now on.")
             self.error = e
@@ -174,6 +191,9 @@ class AsyncEngine:
         while command is not _STOP:
             if isinstance(command, _Live):
                 self._add(command)
+            elif isinstance(command, _AbortAll):
+                for request_id in list(self._live):
+                    self._abort(request_id, ServerStoppingError(command.reason))
             else:
                 self._abort(command)
             try:
@@ -186,19 +206,26 @@ class AsyncEngine:
         request_id = live.stream.request_id
         try:
             self.engine.add_request(live.prompt_token_ids, live.params, request_id=request_id)
-        except ValueError as e:
+        except EngineDeadError:
+            raise
+        except ValueError as e:  # the request's fault: a 400
             self._post([(live.stream, e)])
+            return
+        except Exception as e:  # a bug, but this request's alone
+            logger.exception("Could not add request %s.", request_id)
+            self._post([(live.stream, RequestFailedError(request_id, f"{type(e).__name__}: {e}"))])
             return
         self._live[request_id] = live
         self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, error: Exception | None = None) -> None:
+        """Stop a request; its stream ends with `error`, or an "abort" delta."""
         live = self._live.pop(request_id, None)
         if live is None:
             return  # it finished before the abort arrived
         self.engine.abort_request(request_id)
         self.metrics.finished.labels("abort").inc()
-        self._post([(live.stream, self._delta(live, "", [], "abort"))])
+        self._post([(live.stream, error or self._delta(live, "", [], "abort"))])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -206,6 +233,11 @@ class AsyncEngine:
         for output in outputs:
             live = self._live.get(output.request_id)
             if live is None:
+                continue
+            if output.error is not None:  # its step failed; the engine freed its blocks
+                del self._live[output.request_id]
+                self.metrics.finished.labels("error").inc()
+                items.append((live.stream, RequestFailedError(output.request_id, output.error)))
                 continue
             completion = output.outputs[0]
             new = completion.token_ids[live.num_output_tokens :]

@@ -140,6 +140,17 @@ def parse_request(model: type[T], body: bytes) -> T:
         raise APIError(400, "; ".join(problems), param) from None
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None:
+    """A 400 naming the limit for a prompt that leaves no room to generate."""
+    if num_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {num_tokens} tokens, but max_model_len={max_model_len} allows "
+            f"at most {max_model_len - 1}",
+            field,
+        )
+
+
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": num_prompt_tokens,

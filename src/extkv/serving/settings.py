@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extkv.options import Int, Text, check_options, option, required
+from extkv.options import Float, Int, Text, Texts, check_options, option, required
 
 
 @dataclass
@@ -29,6 +29,25 @@ class ServerSettings:
         1024, "requests held at once, running or queued; beyond it: 429", Int(1)
     )
     max_request_bytes: int = option(4 << 20, "largest request body; beyond it: 413", Int(1))
+    request_read_timeout: float = option(
+        30.0,
+        "seconds a client has to send a whole request (headers and body); then it is dropped",
+        Float(0, above_minimum=True),
+    )
+    max_connections: int = option(
+        2048, "connections open at once; beyond it each new one gets a 503", Int(1)
+    )
+    shutdown_timeout: float = option(
+        10.0,
+        "on SIGTERM/SIGINT, seconds running requests may finish in before they are aborted",
+        Float(0),
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        "browser origins allowed to call the API (CORS), e.g. https://app.example; "
+        "repeatable; none: CORS off",
+        Texts(),
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
