@@ -83,3 +83,21 @@ def test_report_says_committed_and_capacity_blocks(qwen3: Path, extensible: bool
     else:
         assert capacity == committed
     assert "capacity_blocks" not in report
+
+
+@pytest.mark.parametrize("family", ["qwen3", "bamba"])
+def test_starting_up_writes_nothing_to_the_cache(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """The decode graphs' warm-ups (run on the CPU too) stage padding rows of their own
+    batch size, which write no KV slot and no state block: the cache is still all zeros
+    (reading another size's rows once wrote K/V to block 0 and states to blocks that an
+    extensible cache had not committed yet: an illegal address on the GPU)."""
+    options = {**SMALL, "max_num_seqs": 20, "enable_extensible_kv_cache": True}
+    llm = LLM(request.getfixturevalue(family), **options)
+    assert llm.engine.runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
+    for buffer in llm.engine.kv_cache._buffers:
+        memory = buffer.memory
+        for segment in range(memory.num_segments):
+            start = segment * memory.segment_capacity_bytes
+            assert not memory.full_view()[start : start + memory.bytes_per_segment].any()

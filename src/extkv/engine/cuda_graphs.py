@@ -34,13 +34,19 @@ def free_device_memory(device: torch.device) -> int:
 
 class DecodeGraphs:
     """One captured graph of `decode(bs)` per batch size (CUDA); elsewhere `decode` runs
-    as it is. `decode(bs)` must read and write only persistent tensors."""
+    as it is. `decode(bs)` must read and write only persistent tensors; `pad(bs)` stages
+    a batch of `bs` padding rows (which write nothing) for the capture to run on."""
 
     def __init__(
-        self, batch_sizes: list[int], decode: Callable[[int], None], device: torch.device
+        self,
+        batch_sizes: list[int],
+        decode: Callable[[int], None],
+        pad: Callable[[int], None],
+        device: torch.device,
     ) -> None:
         self.batch_sizes = sorted(batch_sizes)
         self._decode = decode
+        self._pad = pad
         self._capture = device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -50,18 +56,23 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
-        """Capture largest first, so smaller graphs reuse its pool memory."""
-        if not self._capture:
-            return
+        """Capture largest first, so smaller graphs reuse its pool memory. Without CUDA
+        only the warm-ups run, so the CPU tests see that capturing writes nothing."""
         pool = None
         for bs in sorted(batch_sizes or self.batch_sizes, reverse=True):
+            # The buffers' layout depends on the batch size: stage this size's padding,
+            # or the warm-up reads another size's rows as slots and state blocks.
+            self._pad(bs)
             self._decode(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            if not self._capture:
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._decode(bs)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        if self._capture:
+            torch.cuda.synchronize()
 
     def run(self, bs: int) -> None:
         """Decode the staged inputs at padded size `bs`: a replay on CUDA, eager elsewhere."""

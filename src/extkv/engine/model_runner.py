@@ -184,10 +184,8 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         before = free_device_memory(self.device) if cuda else 0
         self.graphs = DecodeGraphs(
-            decode_batch_sizes(self.config.max_num_seqs), self._decode, self.device
+            decode_batch_sizes(self.config.max_num_seqs), self._decode, self._pad, self.device
         )
-        empty = build_step_inputs(StepPlan(False, []), self.kv_plan.needs, {})
-        self.buffers.stage(empty, StepShape.decode(self.graphs.batch_sizes[-1], 0))
         self.graphs.capture(batch_sizes)
         return max(before - free_device_memory(self.device), 0) if cuda else 0
 
@@ -217,6 +215,11 @@ class ModelRunner:
         input_ids = torch.where(sources >= 0, pending, views.input_ids)
         with set_forward_context(context):
             return self.model(input_ids, views.positions)
+
+    def _pad(self, bs: int) -> None:
+        """Stage a decode batch of `bs` padding rows (no request: nothing is written)."""
+        empty = build_step_inputs(StepPlan(False, []), self.kv_plan.needs, {})
+        self.buffers.stage(empty, self._decode_shape(bs))
 
     def _decode_shape(self, bs: int) -> StepShape:
         return StepShape.decode(bs, self.max_blocks_per_seq)
