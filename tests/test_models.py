@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from extkv.attention import Attention, ForwardContext, set_forward_context
 from extkv.models import LlamaForCausalLM, load_model, model_facts
-from extkv.models.config import head_dim
+from extkv.models.hf_config import head_dim
 
 LENGTHS = (5, 12, 1)
 TINY = dict(

@@ -1,7 +1,7 @@
 """Model implementations and the Hugging Face checkpoint loader."""
 
 from extkv.models.bamba import BambaForCausalLM
-from extkv.models.config import ModelFacts, model_facts
+from extkv.models.hf_config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM
 from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
 from extkv.models.mamba2 import Mamba2Mixer

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from extkv.models.config import head_dim, rope_parameters
+from extkv.models.hf_config import head_dim, rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from extkv.models.llama import CausalLM, DecoderAttention
 from extkv.models.mamba2 import Mamba2Dims, Mamba2Mixer, check_activation

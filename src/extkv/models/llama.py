@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from extkv.attention import Attention
 from extkv.attention.layer import QKNorm
-from extkv.models.config import head_dim, num_kv_heads, rope_parameters
+from extkv.models.hf_config import head_dim, num_kv_heads, rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from extkv.models.parallel import (
     MergedColumnParallelLinear,
