@@ -81,7 +81,7 @@ def sse_events(response: httpx.Response) -> list[object]:
 
 def test_metrics_show_the_cache_before_any_request(plain: Server) -> None:
     m = plain.metrics()  # the first request this server sees, after its /health probes
-    assert m["extkv_kv_cache_blocks"] > 0
+    assert m["extkv_kv_cache_blocks_capacity"] >= m["extkv_kv_cache_blocks"] > 0
     assert m["extkv_kv_cache_reserved_bytes"] >= m["extkv_kv_cache_committed_bytes"] > 0
     assert "extkv_graph_pool_bytes" in m  # 0 on the CPU: no graphs
     assert m["extkv_kv_cache_blocks_used"] == 0

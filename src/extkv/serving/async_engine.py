@@ -126,7 +126,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
-        self.metrics.update_engine(self.engine)  # capacity shown before the first request
+        self.metrics.update_engine(self.engine.stats())  # capacity shown before the first request
         self._thread.start()
 
     def abort_all(self, reason: str) -> None:
@@ -171,7 +171,7 @@ class AsyncEngine:
             while self._take_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
-                self.metrics.update_engine(self.engine)
+                self.metrics.update_engine(self.engine.stats())
             self._fail_all(ServerStoppingError("the server is shutting down"))
         except Exception as e:
             logger.exception("The engine failed; failing every request from now on.")

@@ -12,16 +12,24 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from extkv.engine.llm_engine import LLMEngine
+    from extkv.engine.stats import EngineStats
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class ServerMetrics:
+    """The server's Prometheus metrics: engine gauges from `EngineStats`, request counters
+    and latency histograms from the engine thread."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.kv_blocks = Gauge("extkv_kv_cache_blocks", "KV cache blocks in all", registry=r)
+        self.kv_blocks = Gauge(
+            "extkv_kv_cache_blocks", "KV cache blocks committed (usable now)", registry=r
+        )
+        self.kv_blocks_capacity = Gauge(
+            "extkv_kv_cache_blocks_capacity", "KV cache blocks the reserved space holds", registry=r
+        )
         self.kv_blocks_used = Gauge(
             "extkv_kv_cache_blocks_used", "KV cache blocks held by requests", registry=r
         )
@@ -36,6 +44,9 @@ class ServerMetrics:
         )
         self.running = Gauge("extkv_requests_running", "requests being decoded", registry=r)
         self.waiting = Gauge("extkv_requests_waiting", "requests not yet scheduled", registry=r)
+        self.preemptions = Gauge(
+            "extkv_preemptions", "requests preempted (recomputed) since start", registry=r
+        )
         self.prompt_tokens = Counter("extkv_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("extkv_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter(
@@ -54,15 +65,18 @@ class ServerMetrics:
             registry=r,
         )
 
-    def update_engine(self, engine: LLMEngine) -> None:
-        """Copy the engine's state into the gauges (engine thread only)."""
-        self.kv_blocks.set(engine.block_manager.num_blocks)
-        self.kv_blocks_used.set(engine.block_manager.num_used_blocks)
-        self.kv_reserved_bytes.set(engine.kv_cache.reserved_bytes)
-        self.kv_committed_bytes.set(engine.kv_cache.committed_bytes)
-        self.graph_pool_bytes.set(engine.report.graph_pool_bytes)
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+    def update_engine(self, stats: EngineStats) -> None:
+        """Copy a snapshot of the engine (`LLMEngine.stats()`) into the gauges."""
+        self.kv_blocks.set(stats.num_blocks_committed)
+        self.kv_blocks_capacity.set(stats.num_blocks_capacity)
+        self.kv_blocks_used.set(stats.num_blocks_used)
+        self.kv_reserved_bytes.set(stats.kv_reserved_bytes)
+        self.kv_committed_bytes.set(stats.kv_committed_bytes)
+        self.graph_pool_bytes.set(stats.graph_pool_bytes)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preemptions.set(stats.num_preemptions)
 
     def render(self) -> bytes:
+        """The registry in Prometheus's text format, for `/metrics`."""
         return generate_latest(self.registry)
