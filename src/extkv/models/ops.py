@@ -7,8 +7,16 @@ is also what the kernels are tested against.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from extkv.models import reference
+
+# Up to this many rows (a decode step's batch) a CUDA linear streams its weight through
+# the Triton GEMV: its tensor-core tile pads x to 16 rows, so up to 16 it still reads W
+# once at no extra arithmetic, where cuBLAS's small-M kernels reach ~1-2 TB/s of the
+# H200's ~4; past 16 the GEMV would need a second column tile and cuBLAS's GEMMs win.
+GEMV_MAX_ROWS = 16
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def rms_norm(
@@ -44,3 +52,21 @@ def gated_rms_norm(
 
         return gated_rms_norm_triton(y, gate, weight, group_size, eps)
     return reference.gated_rms_norm(y, gate, weight, group_size, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.Linear's forward: a decode step's few low-precision rows on CUDA go through the
+    weight-streaming GEMV (`GEMV_MAX_ROWS`); everything else, the CPU included, is F.linear."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    ):
+        from extkv.kernels.gemv import linear_small_batch
+
+        return linear_small_batch(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extkv.distributed import current_group
+from extkv.models import ops
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, str | None], None]
 
@@ -122,6 +123,10 @@ class ColumnParallelLinear(nn.Linear):
         for param in self.parameters():
             param.weight_loader = self.weight_loader
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """nn.Linear's, through `ops.linear`: a decode step's rows take the GEMV on CUDA."""
+        return ops.linear(x, self.weight, self.bias)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
         offset, shards = self.parts[part]
         rows = sum(s.size for s in shards)
@@ -143,7 +148,7 @@ class RowParallelLinear(nn.Linear):
         self.weight.weight_loader = shard_loader(shard, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
 
@@ -179,5 +184,6 @@ class ParallelLMHead(nn.Linear):
         sharded(self.weight, shard)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, in_features) -> (n, vocab_size) in the weight's dtype."""
+        """(n, in_features) -> (n, vocab_size) in the weight's dtype. F.linear even for a
+        decode step: cuBLAS already streams this wide weight near the memory bandwidth."""
         return self.tp.all_gather(F.linear(hidden, self.weight))[:, : self.vocab_size]

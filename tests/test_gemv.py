@@ -1,0 +1,199 @@
+"""The small-batch GEMV (extkv.kernels.gemv) against F.linear in fp32, its batch
+invariance, CUDA-graph replay, and the `ops.linear` dispatch.
+
+As in test_fused_kernels, the CPU checks run this file as a script under the
+Triton interpreter (`TRITON_INTERPRET=1`, in a subprocess); the GPU tests run
+the compiled kernel on Qwen3-0.6B's decode shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extkv.kernels.gemv import MAX_ROWS, linear_small_batch
+from extkv.models import ops
+from test_fused_kernels import interpreter_rounds_bf16_to_nearest
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Against the fp32 sum: the output's one rounding (half an ulp) plus the sum's order.
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2**-8, atol=1e-5),
+    torch.float16: dict(rtol=2**-10, atol=1e-5),
+}
+# Qwen3-0.6B's (K, N): qkv, o_proj, gate_up, down; and scaled down 8x for the interpreter.
+QWEN3_SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024))
+SMALL_SHAPES = (
+    *((k // 8, n // 8) for k, n in QWEN3_SHAPES),
+    (100, 77),  # neither a multiple of any block
+    (1100, 40),  # several K chunks, the last one partial
+)
+
+
+def random_linear(
+    num_rows: int, k: int, n: int, dtype: torch.dtype, with_bias: bool, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x as rows of a wider tensor (a row stride other than K); outputs of about unit size."""
+    x = torch.randn(num_rows, k + 5, dtype=dtype, device=device)[:, :k]
+    weight = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+    bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
+    return x, weight, bias
+
+
+def assert_matches_fp32(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """out is F.linear of the same values in fp32, rounded once to x's dtype."""
+    ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, **TOLERANCES[x.dtype])
+
+
+def check_linear(
+    num_rows: int, k: int, n: int, dtype: torch.dtype, with_bias: bool, device: str
+) -> None:
+    x, weight, bias = random_linear(num_rows, k, n, dtype, with_bias, device)
+    assert_matches_fp32(linear_small_batch(x, weight, bias), x, weight, bias)
+
+
+def check_batch_invariant(k: int, n: int, dtype: torch.dtype, device: str) -> None:
+    """Each row's output is bit-identical whatever the number of rows around it."""
+    x, weight, bias = random_linear(MAX_ROWS, k, n, dtype, True, device)
+    full = linear_small_batch(x, weight, bias)
+    for num_rows in (1, 2, 3, 8, MAX_ROWS):
+        assert torch.equal(linear_small_batch(x[:num_rows], weight, bias), full[:num_rows])
+    assert torch.equal(linear_small_batch(x[5:6], weight, bias), full[5:6])
+
+
+def test_bad_inputs_are_refused() -> None:
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="x \\(M, K\\) and weight \\(N, K\\)"):
+        linear_small_batch(x, torch.randn(4, 7))
+    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+        linear_small_batch(torch.randn(17, 8), weight)
+    with pytest.raises(ValueError, match="stride\\(1\\) == 1"):
+        linear_small_batch(x, torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="weight's dtype"):
+        linear_small_batch(x, weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias must be a contiguous \\(4,\\)"):
+        linear_small_batch(x, weight, torch.randn(5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_linear_is_f_linear(dtype: torch.dtype) -> None:
+    """Off CUDA, ops.linear is F.linear bit for bit (the models match transformers)."""
+    x, weight, bias = random_linear(1, 64, 32, dtype, True, "cpu")
+    assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+# ---------------------------------------------------------------- CPU: Triton interpreter
+
+
+def interpreter_checks() -> list[Callable[[], None]]:
+    return [
+        *(
+            partial(check_linear, num_rows, k, n, dtype, with_bias, "cpu")
+            for k, n in SMALL_SHAPES
+            for num_rows in (1, 2, 3, 8)
+            for dtype in DTYPES
+            for with_bias in (False, True)
+        ),
+        *(partial(check_batch_invariant, 100, 77, dtype, "cpu") for dtype in DTYPES),
+    ]
+
+
+def test_interpreted() -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def interpreter_dots_bf16_as_numbers() -> None:
+    """Make the interpreter's tl.dot multiply bf16 operands by value.
+
+    It keeps bf16 tensors as their raw 16 bits (uint16) and hands those to
+    np.matmul as integers; here they are widened to the fp32 they stand for.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(operand: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if operand.dtype != tl.bfloat16:
+            return operand
+        bits = operand.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched(self: object, a: object, b: object, d: object, *args: object) -> object:
+        return dot(self, widened(a), widened(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = patched
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize(("k", "n"), QWEN3_SHAPES)
+def test_cuda_graph_replay_matches_f_linear(
+    k: int, n: int, num_rows: int, dtype: torch.dtype, with_bias: bool
+) -> None:
+    """Captured once, replayed over new x: F.linear's values, and the eager kernel's bits."""
+    static, weight, bias = random_linear(num_rows, k, n, dtype, with_bias, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linear_small_batch(static, weight, bias)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_small_batch(static, weight, bias)
+    for _ in range(2):
+        x = torch.randn_like(static)
+        static.copy_(x)
+        graph.replay()
+        assert_matches_fp32(out, x, weight, bias)
+        assert torch.equal(out, linear_small_batch(x, weight, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "n"), QWEN3_SHAPES)
+def test_batch_invariant_gpu(k: int, n: int, dtype: torch.dtype) -> None:
+    check_batch_invariant(k, n, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_dispatch_gpu() -> None:
+    """ops.linear takes the GEMV for up to GEMV_MAX_ROWS low-precision rows, cuBLAS
+    beyond and for fp32 (each bit for bit); no assertion on speed (bench_step measures)."""
+    x, weight, bias = random_linear(ops.GEMV_MAX_ROWS + 1, 1024, 1024, torch.bfloat16, True, "cuda")
+    for num_rows in (1, ops.GEMV_MAX_ROWS):
+        rows = x[:num_rows]
+        assert torch.equal(ops.linear(rows, weight, bias), linear_small_batch(rows, weight, bias))
+    assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+    x, weight, bias = x.float(), weight.float(), bias.float()
+    assert torch.equal(ops.linear(x[:1], weight, bias), F.linear(x[:1], weight, bias))
+
+
+if __name__ == "__main__":
+    interpreter_rounds_bf16_to_nearest()
+    interpreter_dots_bf16_as_numbers()
+    for check in interpreter_checks():
+        torch.manual_seed(0)
+        check()
