@@ -34,11 +34,13 @@ def engine_config(args: argparse.Namespace, **changes: object) -> EngineConfig:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Every SamplingParams field as a flag; the command line defaults to greedy, 32 tokens."""
     group = parser.add_argument_group("sampling")
     add_options(group, SamplingParams, defaults=CLI_SAMPLING_DEFAULTS)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as the one SamplingParams that every prompt shares."""
     return SamplingParams(**options_from(args, SamplingParams))
 
 
@@ -56,6 +58,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate from a checkpoint folder: print each prompt's completion, then the memory report."""
     _generate(args, engine_config(args), args.prompt)
     return 0
 
@@ -168,6 +171,8 @@ def _engine_options_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `extkv` parser; engine, sampling and server flags come from their option classes, so
+    they cannot drift from the Python API."""
     formatter = _HelpFormatter
     parser = _Parser(
         prog="extkv", description=__doc__, epilog=_engine_options_help(), formatter_class=formatter
@@ -237,6 +242,8 @@ def _has_cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; bad options and failed start-ups log one error line and exit 2,
+    not a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

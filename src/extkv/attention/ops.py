@@ -73,6 +73,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """query (T, Hq, D) against each sequence's context in the paged cache: the Triton
+    kernel on CUDA, the torch reference elsewhere."""
     if query.is_cuda:
         from extkv.kernels.paged_attention import paged_attention as paged_attention_triton
 
@@ -87,6 +89,8 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch, no cache bound (the
+    profiling run): Triton on CUDA, the torch reference elsewhere."""
     if query.is_cuda:
         from extkv.kernels.paged_attention import varlen_attention as varlen_attention_triton
 

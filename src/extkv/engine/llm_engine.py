@@ -47,6 +47,9 @@ def _load_tokenizer(path: str):  # -> PreTrainedTokenizerBase | None
 
 
 class LLMEngine:
+    """Owns a model's ranks, KV cache, scheduler and tokenizer, and advances its requests one
+    `step` at a time; not thread-safe: one caller drives it."""
+
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         # Tensor parallel: this process is rank 0; the other ranks start first (see
@@ -81,6 +84,7 @@ class LLMEngine:
 
     @property
     def memory_report(self) -> MemoryReport:
+        """How start-up sized the KV cache and where its memory and time went."""
         return self.report
 
     def stats(self) -> EngineStats:
@@ -101,6 +105,7 @@ class LLMEngine:
         )
 
     def encode(self, prompt: str) -> list[int]:
+        """Prompt text to token ids; a model without a tokenizer says to pass token ids instead."""
         if self.tokenizer is None:
             raise ValueError(
                 f"prompts given as text need a tokenizer, and {self.config.model} has none; "
@@ -148,6 +153,8 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether `step` has work left: a request waiting or running, or a launched step's
+        tokens not read yet."""
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:

@@ -70,6 +70,7 @@ class SampledTokens:
     ready: torch.cuda.Event | None  # None: already there (CPU)
 
     def get(self) -> list[int]:
+        """The tokens, waiting for their copy to the host to land."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
@@ -124,6 +125,7 @@ class ModelRunner:
 
     @property
     def use_cuda_graphs(self) -> bool:
+        """Whether decode replays captured graphs: on CUDA only, and not under `enforce_eager`."""
         return self.device.type == "cuda" and not self.config.enforce_eager
 
     def weights_bytes(self) -> int:
@@ -132,6 +134,8 @@ class ModelRunner:
         return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
     def bind_kv_cache(self, cache: KVCache) -> None:
+        """Point every attention layer and Mamba mixer at its views of `cache`; unbound, they
+        run without one (the profiling run)."""
         for name, layer in self.attention_layers.items():
             layer.k_cache, layer.v_cache = cache.kv_views(name)
         for name, mixer in self.mixers.items():
@@ -190,6 +194,8 @@ class ModelRunner:
         return max(before - free_device_memory(self.device), 0) if cuda else 0
 
     def release_cudagraphs(self) -> None:
+        """Free the captured graphs and their memory pool; decode runs eagerly until the next
+        capture."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

@@ -57,13 +57,17 @@ class Scheduler:
         self._finished: list[str] = []  # ended since the last plan
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request; it waits until a prefill step admits it."""
         self.waiting.append(seq)
         self._requests[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
+        """Whether any request still waits or runs (tokens in flight are the engine's to count)."""
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
+        """End a waiting or running request now with `reason`, freeing its blocks; None if it
+        was not unfinished."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:

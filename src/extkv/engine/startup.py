@@ -219,6 +219,8 @@ def _measure_graphs(runner: ModelRunner, report: MemoryReport) -> None:
 def initialize_kv_cache(
     runner: ModelRunner, config: EngineConfig, free_at_start: int
 ) -> tuple[KVCache, MemoryReport]:
+    """Profile the largest step, size the KV cache from the memory left (extensible or legacy
+    flow), allocate and bind it and capture the graphs; return it and the report of how."""
     start = time.perf_counter()
     per_block = runner.kv_plan.bytes_per_block
     peak = runner.profile_run()

@@ -20,6 +20,7 @@ from extkv.models.parallel import VocabParallelEmbedding
 
 
 def bamba_dims(config: PretrainedConfig) -> Mamba2Dims:
+    """The mixer's shape from Bamba's `mamba_*` config fields."""
     return Mamba2Dims(
         hidden_size=config.hidden_size,
         num_heads=config.mamba_n_heads,
@@ -69,6 +70,9 @@ class BambaDecoderLayer(nn.Module):
 
 
 class BambaModel(nn.Module):
+    """Embedding, the hybrid layer stack and the final norm, one rotary table shared by the
+    attention layers."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         attention = set(getattr(config, "attn_layer_indices", None) or ())
@@ -82,6 +86,8 @@ class BambaModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> hidden states (T, hidden_size); only attention layers
+        read the positions."""
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)
@@ -89,6 +95,8 @@ class BambaModel(nn.Module):
 
 
 class BambaForCausalLM(CausalLM):
+    """Bamba causal LM; refuses any activation but SiLU, which its mixers and MLPs assume."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         check_activation(config.hidden_act)  # the MLP's too: GatedMLP is SiLU-gated
         super().__init__(config, BambaModel(config))

@@ -30,6 +30,7 @@ def head_dim(config: PretrainedConfig) -> int:
 
 
 def num_kv_heads(config: PretrainedConfig) -> int:
+    """Explicit `num_key_value_heads` (grouped-query attention), else one per query head."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 

@@ -24,6 +24,8 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
+    """How a parameter without a `weight_loader` (neither fused nor sharded) loads: whole, its
+    shape checked."""
     copy_weight(param.data, loaded)
 
 
@@ -116,4 +118,5 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inner, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden_size) -> (T, hidden_size): down(silu(gate) * up), summed over the ranks."""
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

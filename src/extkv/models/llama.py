@@ -36,6 +36,9 @@ def _check_supported(config: PretrainedConfig) -> None:
 
 
 class DecoderAttention(nn.Module):
+    """A Llama-style layer's self-attention: fused qkv projection, optional per-head q/k norm
+    (Qwen3), rotary and paged attention in `Attention`, output projection."""
+
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
         self.head_dim = head_dim(config)
@@ -57,6 +60,7 @@ class DecoderAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> torch.Tensor:
+        """hidden (T, hidden_size), positions (T,) -> (T, hidden_size), summed over the ranks."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -65,6 +69,8 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each residual add fused into the next norm."""
+
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, qk_norm)
@@ -89,6 +95,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm, one rotary table shared by all layers."""
+
     def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -101,6 +109,7 @@ class DecoderModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size)."""
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)

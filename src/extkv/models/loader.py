@@ -44,6 +44,7 @@ _LISTED_NAMES = 20
 
 
 def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The class of the config's first architecture; an error lists the supported ones."""
     architectures = getattr(config, "architectures", None) or []
     if not architectures or architectures[0] not in MODEL_REGISTRY:
         found = architectures[0] if architectures else None

@@ -58,6 +58,7 @@ class Mamba2Dims:
 
     @property
     def intermediate_size(self) -> int:
+        """Width of x, of the gate and of the SSM output: all heads side by side."""
         return self.num_heads * self.head_dim
 
     @property
@@ -67,6 +68,7 @@ class Mamba2Dims:
 
 
 def check_activation(name: str) -> None:
+    """Refuse an activation but SiLU (`swish` is its other name): the mixer's ops apply SiLU."""
     if name not in ("silu", "swish"):
         raise ValueError(f"Mamba2 activation {name!r} is not supported; only 'silu'")
 

@@ -15,6 +15,7 @@ from extkv.models.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 def mamba2_dims(config: PretrainedConfig) -> Mamba2Dims:
+    """The mixer's shape from a Mamba2 config."""
     return Mamba2Dims(
         hidden_size=config.hidden_size,
         num_heads=config.num_heads,
@@ -51,6 +52,8 @@ class Mamba2Block(nn.Module):
 
 
 class Mamba2Model(nn.Module):
+    """Embedding, the Mamba2 blocks and the final norm (HF's `backbone`)."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -58,6 +61,7 @@ class Mamba2Model(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> hidden states (T, hidden_size) in the model dtype."""
         hidden, residual = self.embeddings(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual)
@@ -68,6 +72,9 @@ class Mamba2Model(nn.Module):
 
 
 class Mamba2ForCausalLM(nn.Module):
+    """Pure Mamba2 causal LM: no attention, no positional limit, a cache of per-sequence
+    states only."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         check_activation(config.hidden_act)

@@ -8,4 +8,6 @@ from extkv.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: the Llama network with per-head q/k RMSNorm turned on."""
+
     qk_norm: ClassVar[bool] = True

@@ -159,12 +159,15 @@ class EngineServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
 
     async def on_tick(self, counter: int) -> bool:
+        """uvicorn's periodic check, which also starts a graceful exit once the engine is dead."""
         if self.started and not self.should_exit and not self.engine.alive:
             logger.error("The engine is dead; stopping the server.")
             self.should_exit = True
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown, aborting what still runs after `shutdown_timeout` so
+        that those streams end with an error chunk."""
         reason = f"the server is shutting down (--shutdown-timeout={self.shutdown_timeout:g})"
         loop = asyncio.get_running_loop()
         abort = loop.call_later(self.shutdown_timeout, self.engine.abort_all, reason)

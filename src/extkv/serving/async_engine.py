@@ -108,6 +108,9 @@ class _AbortAll:
 
 
 class AsyncEngine:
+    """The LLMEngine on a thread of its own: handlers `submit` and abort through its inbox
+    and read each request's deltas from a RequestStream."""
+
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_pending: int) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -121,6 +124,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
+        """Whether the engine thread runs and has not failed; false before `start`, after
+        `stop`, and for good after a failure."""
         return self._thread.is_alive() and self.error is None
 
     def start(self) -> None:
@@ -134,6 +139,8 @@ class AsyncEngine:
         self._inbox.put(_AbortAll(reason))
 
     async def stop(self) -> None:
+        """End the engine thread after its current step, failing the requests left with
+        ServerStoppingError; return once it has exited."""
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join)
 

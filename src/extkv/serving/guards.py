@@ -85,6 +85,8 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Refuse service past `max_connections` (a 503, then close) and start the first
+        request's read deadline."""
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:  # this one included
             logger.warning("Refusing a connection: %d are open.", len(self.connections) - 1)
@@ -92,15 +94,19 @@ class GuardedH11Protocol(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        """Feed the bytes to h11, and lift the deadline once the whole request is in."""
         super().data_received(data)
         self._disarm_once_read()
 
     def on_response_complete(self) -> None:
+        """Arm the deadline for the next request on this connection (lifted at once if it is
+        already in, pipelined)."""
         self._arm()  # for the next request on this connection
         super().on_response_complete()
         self._disarm_once_read()  # it may have been pipelined already
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Cancel the deadline, so that it never fires on a closed connection."""
         self._disarm()
         super().connection_lost(exc)
 

@@ -72,6 +72,8 @@ class PromptEncoder:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
 
     def require_tokenizer(self, field: str) -> None:
+        """A 400 naming `field` for text (a prompt, messages, stop strings) sent to a model
+        without a tokenizer."""
         if not self._has_tokenizer:
             raise APIError(
                 400,
@@ -81,6 +83,7 @@ class PromptEncoder:
             )
 
     def close(self) -> None:
+        """Stop the threads and worker processes without waiting, cancelling queued work."""
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
             self._processes.shutdown(wait=False, cancel_futures=True)

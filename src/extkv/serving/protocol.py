@@ -31,6 +31,7 @@ class APIError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's error object; its `type` follows the status (5xx: server_error)."""
         kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
         if self.status >= 500:
             kind = "server_error"
@@ -64,6 +65,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with the token counts."""
+
     include_usage: bool = False
 
 
@@ -95,10 +98,14 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
+    """A /v1/completions body: the shared fields and a prompt, as text or token ids."""
+
     prompt: Prompt
 
 
 class TextPart(_Strict):
+    """A text part of a message's content, the only kind a text model reads."""
+
     type: Literal["text"]
     text: str
 
@@ -109,10 +116,13 @@ Content = Annotated[
 
 
 class ChatMessage(_Strict):
+    """One chat turn; its content a string or a list of text parts."""
+
     role: Literal["system", "user", "assistant"]
     content: Content
 
     def as_dict(self) -> dict[str, str]:
+        """The message as the chat template takes it, the parts' text joined into one string."""
         text = self.content
         if not isinstance(text, str):
             text = "".join(part.text for part in text)
@@ -120,6 +130,9 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    """A /v1/chat/completions body; `max_completion_tokens`, OpenAI's newer name, wins over
+    `max_tokens`."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
@@ -152,6 +165,7 @@ def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object of a request's token counts."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
@@ -179,6 +193,8 @@ class Reply:
         stream: bool,
         first: bool = False,
     ) -> dict[str, Any]:
+        """One choice: `text` for completions, a `message` for chat, a `delta` in chat chunks
+        (the first also names the role)."""
         out: dict[str, Any] = {"index": 0}
         if not self.chat:
             out["text"] = text
@@ -195,6 +211,8 @@ class Reply:
     def body(
         self, choices: list[dict[str, Any]], *, stream: bool, usage: dict[str, int] | None = None
     ) -> dict[str, Any]:
+        """The response or chunk object around `choices`, its `object` as the endpoint and
+        streaming require."""
         kind = "text_completion"
         if self.chat:
             kind = "chat.completion.chunk" if stream else "chat.completion"
