@@ -122,12 +122,17 @@ def test_a_failed_step_is_that_requests_500_or_last_chunk(
     doomed = {(1, 2, 3): 0, (4, 5, 6): 3}  # prompt -> output tokens before the fault
     execute = ModelRunner.execute
 
-    def faulty(self, batch):
-        for seq in batch.seqs:
-            after = doomed.get(tuple(seq.prompt_token_ids))
-            if after is not None and len(seq.output_token_ids) >= after:
+    prompts: dict[str, tuple[int, ...]] = {}  # request id -> prompt, seen at its prefill
+
+    def faulty(self, plan):
+        for r in plan.requests:
+            if r.num_computed_tokens == 0:
+                prompts[r.request_id] = tuple(r.token_ids)
+            prompt = prompts[r.request_id]
+            after = doomed.get(prompt)
+            if after is not None and r.context_len - len(prompt) >= after:
                 raise RuntimeError("boom")
-        return execute(self, batch)
+        return execute(self, plan)
 
     monkeypatch.setattr(ModelRunner, "execute", faulty)
     llm = LLM(checkpoint, device="cpu", **ENGINE)

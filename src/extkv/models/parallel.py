@@ -94,6 +94,8 @@ def load_shards(
 
 
 def shard_loader(*shards: Shard, dim: int = 0) -> WeightLoader:
+    """A weight loader that copies this rank's `shards` (along `dim`) of a checkpoint tensor."""
+
     def load(param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
         load_shards(param.data, loaded, shards, dim)
 
@@ -128,6 +130,7 @@ class ColumnParallelLinear(nn.Linear):
         return ops.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
+        """Copy this rank's shards of checkpoint tensor `part` into its rows of `param`."""
         offset, shards = self.parts[part]
         rows = sum(s.size for s in shards)
         load_shards(param.data.narrow(0, offset, rows), loaded, shards)
@@ -148,6 +151,7 @@ class RowParallelLinear(nn.Linear):
         self.weight.weight_loader = shard_loader(shard, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, summed over the ranks (the bias on rank 0 only)."""
         y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
@@ -164,6 +168,7 @@ class VocabParallelEmbedding(nn.Embedding):
         sharded(self.weight, shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `input_ids`; under tensor parallelism assembled across the ranks."""
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.shard.start
