@@ -7,6 +7,7 @@ import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
@@ -111,3 +112,22 @@ def make_sequence(
     """A request as the scheduler and the block manager hold it, with no engine around:
     the one place the unit tests build a `Sequence`."""
     return Sequence(request_id, tokens, params or SamplingParams())
+
+
+def interpreter_rounds_bf16_to_nearest() -> None:
+    """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
+
+    Triton's interpreter truncates them (and its RTNE mode rounds ties up and
+    drops the carry), which would hide whether a kernel rounds where torch does.
+    """
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def patched(data: np.ndarray, src: object, dst: object, rounding: object) -> np.ndarray:
+        if str(src) == "fp32" and str(dst) == "bf16":
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert(data, src, dst, rounding)
+
+    interpreter._convert_float = patched

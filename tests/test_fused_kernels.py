@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,7 +30,7 @@ from extkv.kernels.norm import gated_rms_norm, rms_norm
 from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
 from extkv.models import load_model, reference
 from extkv.models.layers import RotaryEmbedding
-from helpers import LAYOUTS, Cache
+from helpers import LAYOUTS, Cache, interpreter_rounds_bf16_to_nearest
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -214,25 +213,6 @@ def test_interpreted(kernels: str) -> None:
         [sys.executable, __file__, kernels], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def interpreter_rounds_bf16_to_nearest() -> None:
-    """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
-
-    Triton's interpreter truncates them (and its RTNE mode rounds ties up and
-    drops the carry), which would hide whether a kernel rounds where torch does.
-    """
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def patched(data: np.ndarray, src: object, dst: object, rounding: object) -> np.ndarray:
-        if str(src) == "fp32" and str(dst) == "bf16":
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return convert(data, src, dst, rounding)
-
-    interpreter._convert_float = patched
 
 
 # ---------------------------------------------------------------- GPU

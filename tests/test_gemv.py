@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from extkv.kernels.gemv import MAX_ROWS, linear_small_batch
 from extkv.models import ops
-from test_fused_kernels import interpreter_rounds_bf16_to_nearest
+from helpers import interpreter_rounds_bf16_to_nearest
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Against the fp32 sum: the output's one rounding (half an ulp) plus the sum's order.

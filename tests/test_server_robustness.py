@@ -24,7 +24,7 @@ from extkv.demo import make_random_checkpoint
 from extkv.engine.model_runner import ModelRunner
 from extkv.serving import ServerSettings
 from extkv.serving.app import make_server
-from test_server import ENGINE, MODEL, PROMPT, Server
+from live_server import ENGINE, MODEL, PROMPT, Server
 
 ORIGIN = "https://app.example"
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}

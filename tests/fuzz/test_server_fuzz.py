@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extkv.demo import make_random_checkpoint
-from test_server import CHAT_TEMPLATE, MODEL, Server
+from live_server import CHAT_TEMPLATE, MODEL, Server
 
 logger = logging.getLogger(__name__)
 MAX_MODEL_LEN = 64  # so that any accepted max_tokens stays quick to generate
