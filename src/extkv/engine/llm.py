@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -13,6 +14,9 @@ from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.options import check_names
+
+Prompt = str | Mapping[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": ids}
+Conversation = Seq[Mapping[str, Any]]  # [{"role": ..., "content": ...}, ...]
 
 
 class LLM:
@@ -55,13 +59,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Seq[str] | None = None,
+        prompts: Prompt | Seq[Prompt] | None = None,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs keep the input order."""
+        """Generate for every prompt; outputs keep the input order. A prompt is a string,
+        `{"prompt": text}` or `{"prompt_token_ids": ids}` (vLLM's text and tokens prompts);
+        `prompt_token_ids=` takes one list of ids or a list of them."""
         requests = self._requests(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -100,20 +106,70 @@ class LLM:
             raise
         return [r for r in results if r is not None]
 
+    def chat(
+        self,
+        messages: Conversation | Seq[Conversation],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of `{"role", "content"}` messages)
+        or to a list of them, through the tokenizer's chat template (or `chat_template`)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer, and {self.engine.config.model} has none")
+        if not isinstance(messages, Seq) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            # The template writes the special tokens (BOS and the turn markers) itself.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _requests(
         self,
-        prompts: str | Seq[str] | None,
+        prompts: Prompt | Seq[Prompt] | None,
         prompt_token_ids: Seq[int] | Seq[Seq[int]] | None,
     ) -> list[tuple[str | None, list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompts must be a non-empty string or list of strings")
-            return [(t, self.engine.encode(t)) for t in texts]
+            single = isinstance(prompts, str | Mapping)
+            items = [prompts] if single else list(prompts)
+            if not items:
+                raise ValueError("prompts must not be empty")
+            return [self._request(item) for item in items]
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
         nested = ids if isinstance(ids[0], list | tuple) else [ids]
         return [(None, list(p)) for p in nested]
+
+    def _request(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt given as a string or a vLLM-style dict."""
+        if isinstance(prompt, str):
+            return prompt, self.engine.encode(prompt)
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise ValueError(
+                    f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; got {unknown}"
+                )
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.engine.encode(prompt["prompt"])
+        raise ValueError(
+            "each prompt must be a string, {'prompt': text} or {'prompt_token_ids': [ids]}; "
+            f"got {prompt!r:.80}"
+        )
