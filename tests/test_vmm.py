@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from extkv import ExtensibleTensor
 from extkv.vmm import (
     HostBackend,
+    VirtualMemoryError,
     VirtualMemoryOutOfMemory,
     allocation_granularity,
     free_physical_bytes,
@@ -383,3 +384,19 @@ def test_cuda_device_spellings(device: object) -> None:
 def test_backend_and_device_must_agree() -> None:
     with pytest.raises(ValueError, match="disagrees with the backend"):
         ExtensibleTensor(4 * MiB, "cuda", backend=HostBackend())
+
+
+def test_cuda_backend_without_cuda_bindings_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cuda-bindings is an extra: without it the CUDA backend says how to install it."""
+    from extkv.vmm import tensor
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import now fails
+    monkeypatch.delitem(sys.modules, "extkv.vmm.cuda", raising=False)
+    tensor._shared_backend.cache_clear()
+    try:
+        with pytest.raises(VirtualMemoryError, match=r"pip install 'extkv\[cuda\]'"):
+            tensor._shared_backend(torch.device("cuda", 0))
+    finally:
+        tensor._shared_backend.cache_clear()

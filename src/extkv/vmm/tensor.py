@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from extkv.vmm.backend import Backend
+from extkv.vmm.backend import Backend, VirtualMemoryError
 from extkv.vmm.granules import GranuleMap
 from extkv.vmm.host import HostBackend
 
@@ -56,8 +56,13 @@ def resolve_device(device: DeviceLike) -> torch.device:
 def _shared_backend(device: torch.device) -> Backend:
     if device.type == "cpu":
         return HostBackend()
-    from extkv.vmm.cuda import CudaBackend  # needs the CUDA driver only when asked for
-
+    try:  # needs NVIDIA's cuda-bindings, an extra: a CPU-only install goes without
+        from extkv.vmm.cuda import CudaBackend
+    except ImportError as e:
+        raise VirtualMemoryError(
+            f"the CUDA virtual-memory backend needs NVIDIA's cuda-bindings ({e}); "
+            "install it with: pip install 'extkv[cuda]'"
+        ) from e
     return CudaBackend(device.index)
 
 
