@@ -104,3 +104,36 @@ def test_help_shows_the_same_defaults_as_the_options() -> None:
         assert flag_of(f) in text
         if f.name not in ("model",):
             assert f"default: {f.default})" in flat, f.name
+
+
+def test_a_command_default_shows_in_its_help_and_can_be_turned_off(config_only: Path) -> None:
+    """bench generates 128 tokens past EOS by default, says so, and `--ignore-eos false`
+    turns that off."""
+    from extkv.cli import build_parser, sampling_params
+
+    help_text = " ".join(extkv("bench", "--help").stdout.split())
+    assert "past the end-of-sequence token (True or False; default: True)" in help_text
+    assert "tokens to generate (an int in [1, 2**63); default: 128)" in help_text
+    bench = ["bench", "--model", str(config_only)]
+    args = build_parser().parse_args(bench)
+    assert sampling_params(args).ignore_eos and sampling_params(args).max_tokens == 128
+    args = build_parser().parse_args([*bench, "--ignore-eos", "false"])
+    assert not sampling_params(args).ignore_eos
+
+
+def test_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path: Path) -> None:
+    from extkv import LLM, SamplingParams
+    from extkv.demo import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path / "model", "qwen3")
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    flags = [*CPU, "--cpu-memory-budget-bytes", str(64 << 20), "--max-tokens", "6"]
+    result = extkv("generate", "--model", str(path), "--prompt", "hi there", "--chat", *flags)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(path, device="cpu", max_model_len=256, cpu_memory_budget_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    [reply] = llm.chat([{"role": "user", "content": "hi there"}], params, use_tqdm=False)
+    assert reply.prompt == "<user>hi there<assistant>"
+    assert f"'<user>hi there<assistant>' -> {reply.outputs[0].text!r}" in result.stdout

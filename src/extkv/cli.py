@@ -33,10 +33,11 @@ def engine_config(args: argparse.Namespace, **changes: object) -> EngineConfig:
     return EngineConfig(**(options_from(args, EngineConfig) | changes))
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """Every SamplingParams field as a flag; the command line defaults to greedy, 32 tokens."""
+def add_sampling_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
+    """Every SamplingParams field as a flag; the command line defaults to greedy, 32 tokens,
+    and a command may change a default (its --help then shows that one)."""
     group = parser.add_argument_group("sampling")
-    add_options(group, SamplingParams, defaults=CLI_SAMPLING_DEFAULTS)
+    add_options(group, SamplingParams, defaults=CLI_SAMPLING_DEFAULTS | defaults)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -44,11 +45,17 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**options_from(args, SamplingParams))
 
 
-def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]) -> list:
+def _generate(
+    args: argparse.Namespace, config: EngineConfig, prompts: list[str], chat: bool = False
+) -> list:
     from extkv import LLM
 
     llm = LLM.from_config(config)
-    outputs = llm.generate(prompts, sampling_params(args))
+    if chat:  # each prompt is one user message, through the model's chat template
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, sampling_params(args))
+    else:
+        outputs = llm.generate(prompts, sampling_params(args))
     for out in outputs:
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
     report = llm.memory_report()
@@ -59,7 +66,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig, prompts: list[str]
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a checkpoint folder: print each prompt's completion, then the memory report."""
-    _generate(args, engine_config(args), args.prompt)
+    _generate(args, engine_config(args), args.prompt, chat=args.chat)
     return 0
 
 
@@ -190,13 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prompt", action="append", help="repeatable")
     add_engine_args(demo, with_model=False)
-    add_sampling_args(demo)
-    demo.set_defaults(func=cmd_demo, max_tokens=16)
+    add_sampling_args(demo, max_tokens=16)
+    demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser(
         "generate", help="generate from a checkpoint folder", formatter_class=formatter
     )
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template "
+        "(default: off, the prompt is the raw text)",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -207,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
     bench.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
     add_engine_args(bench)
-    add_sampling_args(bench)
-    bench.set_defaults(func=cmd_bench, max_tokens=128, ignore_eos=True)
+    add_sampling_args(bench, max_tokens=128, ignore_eos=True)
+    bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server", formatter_class=formatter
