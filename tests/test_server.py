@@ -184,9 +184,12 @@ def test_stop_strings_and_stop_token_ids(server: Server, reference: LLM) -> None
 
 def test_seeded_sampling_matches_generate(server: Server, reference: LLM) -> None:
     sampling = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=24)
-    want = expected(reference, [PROMPT], [SamplingParams(**sampling, top_k=50)])[0]
+    extensions = {"top_k": 50, "min_p": 0.2}
+    want = expected(reference, [PROMPT], [SamplingParams(**sampling, **extensions)])[0]
+    without_min_p = SamplingParams(**sampling, top_k=50)
+    assert expected(reference, [PROMPT], [without_min_p])[0].token_ids != want.token_ids
     got = server.client().completions.create(
-        model=MODEL, prompt=PROMPT, **sampling, extra_body={"top_k": 50, "return_token_ids": True}
+        model=MODEL, prompt=PROMPT, **sampling, extra_body={**extensions, "return_token_ids": True}
     )
     assert got.choices[0].token_ids == want.token_ids
 
@@ -326,6 +329,7 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(top_p=0), 400, "top_p"),
     ("/v1/completions", _completion(top_k=-2), 400, "top_k must be an int in [-1, 2**63)"),
     ("/v1/completions", _completion(top_k=2**63), 400, "top_k"),
+    ("/v1/completions", _completion(min_p=1.5), 400, "min_p"),
     ("/v1/completions", _completion(max_tokens=0), 400, "max_tokens"),
     ("/v1/completions", _completion(max_tokens=MAX_MODEL_LEN), 400, "max_tokens=1024"),
     ("/v1/completions", _completion(prompt=[1] * MAX_MODEL_LEN), 400, "max_model_len=1024"),

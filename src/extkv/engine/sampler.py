@@ -12,13 +12,18 @@ import torch
 from extkv.engine.sampling_params import SamplingParams
 
 
-def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k / nucleus top-p (k <= 0 or p >= 1: off)."""
+def _truncate(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask logits outside each row's min-p, top-k and nucleus top-p, in vLLM's order
+    (min-p on the whole distribution, top-p on what is left; k <= 0, p >= 1, min_p 0: off)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k, vocab)
-    drop = ranks[None, :] >= k[:, None]
+    full = sorted_logits.softmax(dim=-1)
+    drop = full < min_p[:, None] * full[:, :1]  # column 0 is the most likely token
+    drop |= ranks[None, :] >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before > top_p[:, None]
@@ -53,7 +58,8 @@ class Sampler:
             vocab = logits.shape[-1]  # a larger top_k truncates nothing, like vLLM's
             top_k = torch.tensor([min(p.top_k, vocab) for p in chosen], device=device)
             top_p = torch.tensor([p.top_p for p in chosen], device=device)
-            scaled = _truncate(logits[rows] / temperature[:, None], top_k, top_p)
+            min_p = torch.tensor([p.min_p for p in chosen], device=device)
+            scaled = _truncate(logits[rows] / temperature[:, None], top_k, top_p, min_p)
             probs = scaled.softmax(dim=-1)
             noise = torch.stack(
                 [

@@ -23,14 +23,17 @@ def _token_ids(value: object) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """temperature 0 (or below 1e-5) is greedy; top_k -1 or 0 and top_p 1.0 mean no
-    truncation, as does a top_k beyond the vocabulary."""
+    """temperature 0 (or below 1e-5) is greedy; top_k -1 or 0, top_p 1.0 and min_p 0 mean
+    no truncation, as does a top_k beyond the vocabulary."""
 
     temperature: float = option(
         1.0, "softmax temperature; below 1e-5: greedy", Float(0, FLOAT32_MAX)
     )
     top_p: float = option(1.0, "nucleus sampling; 1: off", Float(0, 1, above_minimum=True))
     top_k: int = option(-1, "sample among the k most likely tokens; -1 or 0: off", Int(-1))
+    min_p: float = option(
+        0.0, "drop tokens less likely than min_p times the most likely one; 0: off", Float(0, 1)
+    )
     max_tokens: int = option(16, "tokens to generate", Int(1))
     seed: int | None = option(
         None, "seed of this request's sampling", Int(0, optional=True), flag="--sampling-seed"

@@ -277,6 +277,7 @@ class _Server:
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            min_p=body.min_p,
             max_tokens=max_tokens or room,
             seed=body.seed,
             stop_token_ids=body.stop_token_ids,

@@ -71,7 +71,7 @@ class StreamOptions(_Strict):
 
 
 class _GenerationRequest(_Strict):
-    """Fields both endpoints share; the last four are extensions in vLLM's style."""
+    """Fields both endpoints share; those after `user` are extensions in vLLM's style."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -84,6 +84,7 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     return_token_ids: bool = False
