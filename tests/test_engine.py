@@ -281,7 +281,9 @@ def test_attention_backend_is_a_deprecated_alias_of_kv_layout(qwen3: Path) -> No
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"config\.json"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint folder.*\.gguf file or a Hugging Face hub id"
+    ):
         LLM(tmp_path / "nothing-here")
 
 
