@@ -85,8 +85,8 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
         return ModelSource("gguf", folder, name)
     if path.endswith(".gguf") or not _REPO_ID.fullmatch(path):
         raise FileNotFoundError(
-            "model must be a checkpoint folder holding config.json, a .gguf file or a "
-            f"Hugging Face hub id (org/name); got {path!r}, none of them"
+            "model must be a checkpoint folder, a .gguf file or a Hugging Face hub id "
+            f"(org/name); got {path!r}, none of them (no folder holding config.json)"
         )
     snapshot = _snapshot(path)
     if not os.path.isfile(os.path.join(snapshot, "config.json")):
