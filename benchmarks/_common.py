@@ -98,11 +98,12 @@ def random_prompts(batch: int, vocab: int, length: int, seed: int | None = None)
     return torch.randint(1, vocab, (batch, length), generator=gen).tolist()
 
 
-def profile_kernels(fn: Callable[[], object], calls: int) -> dict[str, float]:
+def profile_kernels(fn: Callable[[], object], calls: int, top: int = 0) -> dict[str, float]:
     """GPU ms (kernel durations summed), kernels and blocking CUDA runtime calls per
     call of `fn`, over `calls` calls under torch.profiler (the device idle before and
     synchronised after them, by a call not counted); read from its Chrome-trace export,
-    whose keys every torch version shares. NaN on the CPU."""
+    whose keys every torch version shares. NaN on the CPU. `top` > 0 logs the kernels
+    that took the most time (us per call, launches per call), to see where it goes."""
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -127,6 +128,18 @@ def profile_kernels(fn: Callable[[], object], calls: int) -> dict[str, float]:
     if not kernels:
         logger.warning("the profiler recorded no kernel; gpu ms is not known")
         return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": len(syncs) / calls}
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.get("name", "?"), []).append(e.get("dur", 0.0))
+        ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+        for name, durations in ranked:
+            logger.info(
+                "kernel %8.1f us %5.1fx  %s",
+                sum(durations) / calls,
+                len(durations) / calls,
+                name[:110],
+            )
     return {
         "gpu_ms": sum(e.get("dur", 0.0) for e in kernels) / 1e3 / calls,
         "kernels": len(kernels) / calls,

@@ -148,8 +148,11 @@ def run_prefill(engine, request_ids: set[str], limit: int = 100_000) -> int:
     raise RuntimeError(f"the prefill of {len(request_ids)} requests took over {limit} steps")
 
 
-def step_figures(llm: LLM, batch: int, vocab: int, setting: Setting) -> dict[str, float]:
-    """The figures of one batch size on `llm` (see the module's docstring)."""
+def step_figures(
+    llm: LLM, batch: int, vocab: int, setting: Setting, top: int = 0
+) -> dict[str, float]:
+    """The figures of one batch size on `llm` (see the module's docstring); `top` > 0
+    logs that many of the kernels that take the most time."""
     engine = llm.engine
     tokens = setting.warmup + setting.timed + setting.profiled + 8
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -166,7 +169,7 @@ def step_figures(llm: LLM, batch: int, vocab: int, setting: Setting) -> dict[str
             step()
         wall = (time.perf_counter() - start) / setting.timed
     figures = {"wall_ms": wall * 1e3, "host_ms": (wall - timer.seconds / setting.timed) * 1e3}
-    figures |= profile_kernels(step, setting.profiled)
+    figures |= profile_kernels(step, setting.profiled, top)
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
     logger.info("batch %d: %d prefill steps", batch, prefill_steps)
@@ -212,7 +215,7 @@ def measure(args) -> Rows:
         kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
         kv_per_token *= head_dim * dtype_bytes
         for batch in batches:
-            figures = step_figures(llm, batch, config["vocab_size"], setting)
+            figures = step_figures(llm, batch, config["vocab_size"], setting, args.kernel_table)
             step_bytes = weights + batch * figures["mean_context"] * kv_per_token
             figures["roof_ms"] = step_bytes / bandwidth * 1e3
             figures["of_roof"] = figures["roof_ms"] / figures["wall_ms"]
@@ -226,6 +229,9 @@ def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 256 (smoke: 1 4)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
+    parser.add_argument(
+        "--kernel-table", type=int, default=0, help="log the N costliest kernels (default 0: none)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     checkpoint(args)  # here, before any child: built by this tree's extkv.demo
