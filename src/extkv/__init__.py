@@ -2,7 +2,7 @@
 
 from extkv.vmm import ExtensibleTensor
 
-__all__ = ["LLM", "ExtensibleTensor", "SamplingParams"]
+__all__ = ["LLM", "ExtensibleTensor", "Logprob", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:
@@ -15,4 +15,8 @@ def __getattr__(name: str) -> object:
         from extkv.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "Logprob":
+        from extkv.engine.outputs import Logprob
+
+        return Logprob
     raise AttributeError(f"module 'extkv' has no attribute {name!r}")
