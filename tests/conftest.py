@@ -1,10 +1,15 @@
+import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from extkv import LLM
 from extkv.demo import make_random_checkpoint
 from helpers import make_mamba_checkpoint
+from live_server import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ENGINE, KEY, Server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,3 +43,54 @@ def bamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+# The server tests' two live `extkv serve`s, shared by every module that asks for them.
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(with a chat template, without one): the same random model twice."""
+    bare = make_random_checkpoint(tmp_path_factory.mktemp("bare"))
+    chat = Path(shutil.copytree(bare, tmp_path_factory.mktemp("chat") / "model"))
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    return chat, bare
+
+
+@pytest.fixture(scope="session")
+def servers(
+    checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    """The open server (its --chat-template CHAT_TEMPLATE_FILE over the checkpoint's), and
+    a guarded one (API key, one request at a time, no chat template), started together."""
+    logs = tmp_path_factory.mktemp("logs")
+    template = logs / "template.jinja"
+    template.write_text(CHAT_TEMPLATE_FILE)
+    chat, bare = checkpoints
+    both = (
+        Server(chat, logs / "open.log", "--max-request-bytes=65536", f"--chat-template={template}"),
+        Server(bare, logs / "guarded.log", f"--api-key={KEY}", "--max-pending-requests=1"),
+    )
+    try:
+        for server in both:
+            server.wait_ready()
+        yield both
+    finally:
+        for server in both:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="session")
+def guarded(servers: tuple[Server, Server]) -> Server:
+    return servers[1]
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoints: tuple[Path, Path]) -> LLM:
+    """The open server's engine in-process: what its tokens must equal."""
+    return LLM(checkpoints[0], device="cpu", **ENGINE)

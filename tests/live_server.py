@@ -24,7 +24,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The open server's --chat-template, in place of the checkpoint's CHAT_TEMPLATE.
+CHAT_TEMPLATE_FILE = (
+    "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:{% endif %}"
+)
 PROMPT = [5, 6, 7, 8, 9, 100, 200]
+KEY = "test-key"  # the guarded server's API key
 
 
 def free_port() -> int:
@@ -45,7 +51,7 @@ class Server:
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 120) -> None:
+    def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"server exited:\n{self.log.read_text()}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,13 +18,13 @@ import uvicorn
 
 from extkv import LLM, SamplingParams
 from extkv.cli import main
-from extkv.demo import make_random_checkpoint
 from extkv.engine.config import EngineConfig
 from extkv.serving import ServerSettings, build_app
 from live_server import (
-    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_FILE,
     ENGINE,
     ENGINE_FLAGS,
+    KEY,
     MAX_MODEL_LEN,
     MODEL,
     PROMPT,
@@ -33,56 +32,9 @@ from live_server import (
     free_port,
 )
 
-KEY = "test-key"
 GREEDY = dict(temperature=0, max_tokens=16)
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 JSON = {"Content-Type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(with a chat template, without one): the same random model twice."""
-    bare = make_random_checkpoint(tmp_path_factory.mktemp("bare"))
-    chat = Path(shutil.copytree(bare, tmp_path_factory.mktemp("chat") / "model"))
-    config = json.loads((chat / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (chat / "tokenizer_config.json").write_text(json.dumps(config))
-    return chat, bare
-
-
-@pytest.fixture(scope="module")
-def servers(checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    """The open server, and a guarded one (API key, one request at a time, no chat
-    template), started together."""
-    logs = tmp_path_factory.mktemp("logs")
-    chat, bare = checkpoints
-    both = (
-        Server(chat, logs / "open.log", "--max-request-bytes=65536"),
-        Server(bare, logs / "guarded.log", f"--api-key={KEY}", "--max-pending-requests=1"),
-    )
-    try:
-        for server in both:
-            server.wait_ready()
-        yield both
-    finally:
-        for server in both:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def server(servers: tuple[Server, Server]) -> Server:
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def guarded(servers: tuple[Server, Server]) -> Server:
-    return servers[1]
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints: tuple[Path, Path]) -> LLM:
-    """The same engine in-process: what the server's tokens must equal."""
-    return LLM(checkpoints[0], device="cpu", **ENGINE)
 
 
 def expected(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
@@ -115,30 +67,32 @@ def test_default_max_tokens_fits_the_room_left(server: Server) -> None:
     assert got.choices[0].finish_reason == "length"
 
 
-def test_chat_completion_matches_generate(server: Server, reference: LLM) -> None:
+def test_chat_completion_matches_llm_chat(server: Server, reference: LLM) -> None:
+    """Through the --chat-template file, which wins over the checkpoint's own template."""
     messages = [
         {"role": "system", "content": "You are tiny."},
         {"role": "user", "content": "Tell me about the KV cache."},
     ]
-    tokenizer = reference.get_tokenizer()  # the checkpoint's template, as the server's
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    want = expected(reference, [prompt], [SamplingParams(**GREEDY, ignore_eos=True)])[0]
+    params = SamplingParams(**GREEDY, ignore_eos=True)
+    [want] = reference.chat(messages, params, chat_template=CHAT_TEMPLATE_FILE, use_tqdm=False)
+    [own] = reference.chat(messages, params, use_tqdm=False)
+    assert own.prompt_token_ids != want.prompt_token_ids  # the two templates differ
     got = server.client().chat.completions.create(
         model=MODEL, messages=messages, **GREEDY, extra_body=NO_EOS
     )
     choice = got.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == want.text
-    assert choice.token_ids == want.token_ids
-    assert got.usage.prompt_tokens == len(prompt)
+    assert choice.message.role == "assistant" and choice.message.content == want.outputs[0].text
+    assert choice.token_ids == want.outputs[0].token_ids
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
 STREAM = dict(**GREEDY, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)
 
 
 def check_stream(chunks: list, texts: list[str], text: str, token_ids: list[int]) -> None:
-    """One chunk per token that add up to the answer, then the usage chunk."""
-    assert len(texts) == 16 and "".join(texts) == text
+    """Chunks (one per token, but a token that ends inside a character joins the next)
+    that add up to the answer, none without text, then the usage chunk."""
+    assert 0 < len(texts) <= 16 and all(texts) and "".join(texts) == text
     assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == token_ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
@@ -335,9 +289,12 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(prompt=[1] * MAX_MODEL_LEN), 400, "max_model_len=1024"),
     ("/v1/completions", _completion(prompt=[999_999]), 400, "vocabulary"),
     ("/v1/completions", _completion(prompt=""), 400, "empty"),
-    ("/v1/completions", _completion(prompt=["a", "b"]), 400, "list of token ids"),
+    ("/v1/completions", _completion(prompt=["a", 1]), 400, "list of token ids"),
+    ("/v1/completions", _completion(prompt=[[1], "a"]), 400, "list of such lists"),
     ("/v1/completions", _completion(prompt=[1, True]), 400, "list of token ids"),
-    ("/v1/completions", _completion(n=2), 400, "n: Input should be 1"),
+    ("/v1/completions", _completion(n=0), 400, "n: Input should be greater than or equal to 1"),
+    ("/v1/completions", _completion(n=2000), 400, "n: this request asks for 2000 choices"),
+    ("/v1/completions", _completion(stream_options={}), 400, "allowed only with stream=true"),
     ("/v1/completions", _completion(logprobs=5), 400, "logprobs: unknown field"),
     ("/v1/completions", _completion(stream="yes"), 400, "stream"),
     ("/v1/completions", _completion(stop=5), 400, "stop: must be"),

@@ -142,7 +142,7 @@ def test_a_failed_step_is_that_requests_500_or_last_chunk(
         failed = httpx.post(f"{url}/v1/completions", json=doomed_body)
         assert failed.status_code == 500
         assert "RuntimeError: boom" in failed.json()["error"]["message"]
-        assert failed.json()["error"]["type"] == "server_error"
+        assert failed.json()["error"]["type"] == "InternalServerError"
 
         stream_body = {**fine, "prompt": [4, 5, 6], "max_tokens": 100, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=stream_body) as response:
@@ -188,7 +188,7 @@ def test_a_killed_worker_fails_the_stream_and_the_server_exits_non_zero(
             os.kill(worker, signal.SIGKILL)
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         error = events[-1]["error"]
-        assert error["type"] == "server_error" and "worker rank 1" in error["message"]
+        assert error["type"] == "ServiceUnavailableError" and "worker rank 1" in error["message"]
         assert "SIGKILL" in error["message"]
         assert server.process.wait(timeout=10) == 1
     finally:

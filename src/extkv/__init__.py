@@ -2,7 +2,8 @@
 
 from extkv.vmm import ExtensibleTensor
 
-__all__ = ["LLM", "ExtensibleTensor", "Logprob", "SamplingParams"]
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+__all__ = ["LLM", "ExtensibleTensor", "Logprob", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,30 @@ class Text(Kind):
     def accepts(self, value: object) -> bool:
         """A str that is not empty."""
         return isinstance(value, str) and value != ""
+
+
+@dataclass(frozen=True)
+class File(Kind):
+    """The path of a file this process can read (checked when the option is set, so that a
+    wrong path fails at start-up rather than at first use)."""
+
+    optional: bool = False
+    metavar = "FILE"
+
+    def describe(self) -> str:
+        """The allowed values in words, for `--help` and errors."""
+        return "the path of a readable file"
+
+    def accepts(self, value: object) -> bool:
+        """A str naming a regular file that can be opened for reading."""
+        return isinstance(value, str) and os.path.isfile(value) and os.access(value, os.R_OK)
+
+    def check(self, name: str, value: object) -> object:
+        """As `Kind.check`, the message saying whether the file is missing or unreadable."""
+        if value is None or self.accepts(value) or not isinstance(value, str):
+            return super().check(name, value)
+        why = "is not readable" if os.path.isfile(value) else "does not exist or is not a file"
+        raise ValueError(f"{name} must be {self._allowed()}; {value!r} {why}")
 
 
 @dataclass(frozen=True)

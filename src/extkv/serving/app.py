@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -30,12 +31,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from extkv import __version__
 from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.sampling_params import SamplingParams
 from extkv.serving.async_engine import (
     AsyncEngine,
     Delta,
+    EngineRequest,
     QueueFullError,
     ServerStoppingError,
     collect,
@@ -47,7 +50,9 @@ from extkv.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Reply,
+    TokenizeRequest,
     check_prompt_length,
     parse_request,
     usage,
@@ -94,6 +99,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     v1.post("/chat/completions")(server.chat_completions)
     v1.get("/models")(server.models)
     app.include_router(v1)
+    tokens = APIRouter(dependencies=[Depends(server.check_api_key)])
+    tokens.post("/tokenize")(server.tokenize)
+    tokens.post("/detokenize")(server.detokenize)
+    app.include_router(tokens)
+    app.get("/version")(server.version)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
     return app
@@ -183,7 +193,12 @@ class _Server:
         self._metrics = ServerMetrics()
         self.engine = AsyncEngine(engine, self._metrics, settings.max_pending_requests)
         self.max_model_len = engine.config.max_model_len
-        self.prompts = PromptEncoder(engine.tokenizer, settings.model_name, self.max_model_len)
+        self.prompts = PromptEncoder(
+            engine.tokenizer,
+            settings.model_name,
+            self.max_model_len,
+            settings.chat_template_text(),
+        )
         self.created = int(time.time())
 
     async def check_api_key(self, request: Request) -> None:
@@ -196,21 +211,50 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = await self.prompts.encode(prompt, "prompt")
-        max_tokens = body.max_tokens
-        if max_tokens is None:  # OpenAI's default, cut to the room the prompt leaves
-            room = self.max_model_len - len(prompt)
-            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
-        return await self._generate(request, body, prompt, max_tokens, chat=False)
+        given = body.prompts
+        prompts = await asyncio.gather(*map(self._prompt_ids, given))
+        echoes = None
+        if body.echo:  # the prompt's text as sent, or its token ids decoded
+            echoes = await asyncio.gather(*map(self._prompt_text, given, prompts))
+        return await self._generate(request, body, prompts, body.max_tokens, echoes)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         prompt = await self.prompts.encode_chat([m.as_dict() for m in body.messages])
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._generate(request, body, prompt, max_tokens, chat=True)
+        return await self._generate(request, body, [prompt], max_tokens)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's or chat's token ids, their count and the limit."""
+        body = await self._parse(request, TokenizeRequest)
+        self._check_model(body.model)
+        if body.prompt is not None:
+            special = body.add_special_tokens is not False
+            ids = await self.prompts.encode(body.prompt, "prompt", special, whole=True)
+        else:
+            messages = [m.as_dict() for m in body.messages or []]
+            generation, special = body.add_generation_prompt, bool(body.add_special_tokens)
+            ids = await self.prompts.encode_chat(messages, generation, special, whole=True)
+        strs = await self.prompts.token_strs(ids) if body.return_token_strs else None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids back to text, special tokens kept."""
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        text = await self.prompts.decode(body.tokens, "tokens", skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": __version__})
 
     async def models(self) -> Response:
         card = {
@@ -229,43 +273,97 @@ class _Server:
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self.prompts.encode(prompt, "prompt")
+        return prompt
+
+    async def _prompt_text(self, given: str | list[int], ids: list[int]) -> str:
+        if isinstance(given, str):
+            return given
+        return await self.prompts.decode(ids, "prompt", skip_special_tokens=False)
+
     async def _generate(
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        prompt: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
-        chat: bool,
+        echoes: list[str] | None = None,
     ) -> Response:
+        """Run the prompts, `n` choices each, and answer whole or as a stream; choice j of
+        prompt i is index i * n + j, as vLLM numbers them."""
+        chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         reply = Reply(chat, request_id, self.settings.model_name, body.return_token_ids)
         with _engine_errors():
-            params = self._sampling_params(body, len(prompt), max_tokens, chat)
             if body.stop_strings:
                 self.prompts.require_tokenizer("stop")
-            deltas = aiter(self.engine.submit(request_id, prompt, params, body.stop_strings))
+            self._check_num_choices(len(prompts) * body.n)
+            requests = [
+                request
+                for i, prompt in enumerate(prompts)
+                for request in self._engine_requests(body, prompt, i, max_tokens)
+            ]
+            stream = self.engine.submit(request_id, requests, body.stop_strings)
+            deltas = aiter(stream)
             # Streams wait for the first delta too, so a refusal is still a plain 4xx.
-            work = anext(deltas) if body.stream else collect(deltas)
+            work = anext(deltas) if body.stream else collect(deltas, stream.num_choices)
             result = await _unless_disconnected(request, work)
         if result is None:
             return Response(status_code=499)  # the client closed the connection
+        choices = _Choices(reply, prompts, body.n, echoes)
         if body.stream:
-            events = _sse(reply, result, deltas, body.include_usage)
+            events = _sse(choices, result, deltas, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        choice = reply.choice(result.text, result.token_ids, result.finish_reason, stream=False)
-        counts = usage(result.num_prompt_tokens, result.num_output_tokens)
-        return JSONResponse(reply.body([choice], stream=False, usage=counts))
+        answer = [choices.chunk(delta, stream=False) for delta in result]
+        return JSONResponse(reply.body(answer, stream=False, usage=choices.usage(result)))
+
+    def _check_num_choices(self, num_choices: int) -> None:
+        """A 400 for more choices than the server may ever hold at once (a 429 would say
+        to retry, in vain)."""
+        limit = self.settings.max_pending_requests
+        if num_choices > limit:
+            raise APIError(
+                400,
+                f"n: this request asks for {num_choices} choices (prompts times n), more than "
+                f"the {limit} that --max-pending-requests={limit} allows",
+                "n",
+            )
+
+    def _engine_requests(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt: list[int],
+        position: int,
+        max_tokens: int | None,
+    ) -> list[EngineRequest]:
+        """The engine requests of the prompt at `position`: one per choice, the j-th seeded
+        with seed + j (as vLLM seeds a request's n completions)."""
+        field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        params = self._sampling_params(body, len(prompt), max_tokens, field)
+        return [
+            EngineRequest(
+                prompt,
+                params if body.seed is None else replace(params, seed=body.seed + j),
+                position * body.n + j,
+            )
+            for j in range(body.n)
+        ]
 
     def _sampling_params(
         self,
         body: CompletionRequest | ChatCompletionRequest,
         num_prompt_tokens: int,
         max_tokens: int | None,
-        chat: bool,
+        field: str,
     ) -> SamplingParams:
-        """SamplingParams within the room the context leaves (None: all of it)."""
-        check_prompt_length(num_prompt_tokens, self.max_model_len, "messages" if chat else "prompt")
+        """SamplingParams within the room the context leaves (None: all of it, but for
+        completions OpenAI's default of 16, cut to the room)."""
+        check_prompt_length(num_prompt_tokens, self.max_model_len, field)
         room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None and field == "prompt":
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
@@ -284,8 +382,9 @@ class _Server:
             ignore_eos=body.ignore_eos,
         )
 
-    def _check_model(self, model: str) -> None:
-        if model != self.settings.model_name:
+    def _check_model(self, model: str | None) -> None:
+        """A 404 for another model's name (None: /tokenize and /detokenize may omit it)."""
+        if model is not None and model != self.settings.model_name:
             raise APIError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
@@ -365,28 +464,81 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _sse(
-    reply: Reply, delta: Delta, rest: AsyncGenerator[Delta, None], include_usage: bool
-) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta, the usage if asked, then [DONE]."""
-    first = True
-    try:
-        while True:
-            choice = reply.choice(
-                delta.text, delta.token_ids, delta.finish_reason, stream=True, first=first
+class _Choices:
+    """The choices of one response as its chunks show them: a choice's first chunk adds
+    the echoed prompt, the prompt's ids and the chat role; in a stream, a delta with no
+    text waits (its tokens joining the next) unless it ends its choice, so that no chunk
+    is empty."""
+
+    def __init__(
+        self, reply: Reply, prompts: list[list[int]], n: int, echoes: list[str] | None
+    ) -> None:
+        self.reply = reply
+        self.prompts = prompts
+        self.n = n
+        self.echoes = echoes
+        self._last: dict[int, Delta] = {}  # each choice's latest delta shown
+        self._held: dict[int, Delta] = {}  # each choice's deltas not shown yet, as one
+
+    def chunk(self, delta: Delta, stream: bool) -> dict[str, Any]:
+        """The choice object of `delta` (of the whole choice, when not streaming)."""
+        first = delta.index not in self._last
+        self._last[delta.index] = delta
+        prompt = delta.index // self.n
+        text = delta.text
+        if first and self.echoes is not None:
+            text = self.echoes[prompt] + text
+        return self.reply.choice(
+            delta.index,
+            text,
+            delta.finish_reason,
+            stream=stream,
+            token_ids=delta.token_ids,
+            prompt_token_ids=self.prompts[prompt],
+            first=first,
+        )
+
+    def merge(self, delta: Delta) -> Delta | None:
+        """`delta` joined to what its choice held, or None when that is still nothing to
+        show (no text, no end, no echo to send first)."""
+        held = self._held.pop(delta.index, None)
+        if held is not None:
+            delta = replace(
+                delta, text=held.text + delta.text, token_ids=held.token_ids + delta.token_ids
             )
-            yield _event(reply.body([choice], stream=True))
-            if delta.finish_reason is not None:
-                break
-            delta, first = await anext(rest), False
+        echo = self.echoes is not None and delta.index not in self._last
+        if delta.text or delta.finish_reason is not None or echo:
+            return delta
+        self._held[delta.index] = delta
+        return None
+
+    def usage(self, last: list[Delta] | None = None) -> dict[str, int]:
+        """The usage of every prompt (once, whatever n) and every choice's tokens."""
+        last = list(self._last.values()) if last is None else last
+        return usage(sum(map(len, self.prompts)), sum(d.num_output_tokens for d in last))
+
+
+async def _sse(
+    choices: _Choices,
+    delta: Delta | None,
+    rest: AsyncGenerator[Delta, None],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta worth one, the usage if asked, then [DONE]."""
+    reply = choices.reply
+    try:
+        while delta is not None:
+            shown = choices.merge(delta)
+            if shown is not None:
+                yield _event(reply.body([choices.chunk(shown, stream=True)], stream=True))
+            delta = await anext(rest, None)
     except _FAILURES as e:  # the last chunk says why the stream ends here
         yield _event(_as_api_error(e).body())
         return
     finally:
         await rest.aclose()  # a client gone mid-stream: abort and free its blocks now
     if include_usage:
-        counts = usage(delta.num_prompt_tokens, delta.num_output_tokens)
-        yield _event(reply.body([], stream=True, usage=counts))
+        yield _event(reply.body([], stream=True, usage=choices.usage()))
     yield "data: [DONE]\n\n"
 
 

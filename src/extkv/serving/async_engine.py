@@ -42,60 +42,100 @@ class ServerStoppingError(Exception):
 
 @dataclass
 class Delta:
-    """What one step added to a request (or, from `collect`, the whole request)."""
+    """What one step added to one choice (or, from `collect`, the whole choice)."""
 
+    index: int  # the choice's place in the response
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # set on the last delta: "stop", "length" or "abort"
+    finish_reason: str | None  # set on the choice's last delta: "stop", "length" or "abort"
     num_prompt_tokens: int
     num_output_tokens: int
 
 
-class RequestStream:
-    """The deltas of one request, in order. Leaving the iteration early (the client
-    went away, the handler was cancelled) aborts the request, which frees its blocks."""
+@dataclass
+class EngineRequest:
+    """One engine request of an API request: a prompt and the `num_choices` choices it
+    yields, numbered from `first_index` in the response."""
 
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
-        self.request_id = request_id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_index: int
+    num_choices: int = 1
+
+
+class RequestStream:
+    """The deltas of one API request's choices (of one or more engine requests), each
+    choice's in order. Leaving the iteration early (the client went away, the handler was
+    cancelled, one engine request failed) aborts them all, which frees their blocks."""
+
+    def __init__(
+        self, request_ids: list[str], num_choices: int, abort: Callable[[str], None]
+    ) -> None:
+        self.request_ids = request_ids
+        self.num_choices = num_choices
         self.queue: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self._abort = abort
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        done = False
+        left = self.num_choices
         try:
-            while not done:
+            while left:
                 item = await self.queue.get()
                 if isinstance(item, Exception):
-                    done = True
                     raise item
-                done = item.finish_reason is not None
+                left -= item.finish_reason is not None
                 yield item
         finally:
-            if not done:
-                self._abort(self.request_id)
+            if left:  # an abort of a request that already ended does nothing
+                for request_id in self.request_ids:
+                    self._abort(request_id)
 
 
-async def collect(stream: AsyncIterator[Delta]) -> Delta:
-    """All of a request's deltas as one."""
-    texts, token_ids = [], []
+async def collect(stream: AsyncIterator[Delta], num_choices: int) -> list[Delta]:
+    """Each choice's deltas as one, in index order."""
+    texts: list[list[str]] = [[] for _ in range(num_choices)]
+    token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+    last: list[Delta | None] = [None] * num_choices
     async for delta in stream:
-        texts.append(delta.text)
-        token_ids += delta.token_ids
-    return replace(delta, text="".join(texts), token_ids=token_ids)
+        texts[delta.index].append(delta.text)
+        token_ids[delta.index] += delta.token_ids
+        last[delta.index] = delta
+    return [
+        replace(d, text="".join(t), token_ids=ids)
+        for d, t, ids in zip(last, texts, token_ids, strict=True)
+    ]
+
+
+@dataclass
+class _Choice:
+    """One completion of an engine request as the engine thread tracks it."""
+
+    index: int  # in the response
+    text: TextStream
+    num_output_tokens: int = 0
+    finished: bool = False
 
 
 @dataclass
 class _Live:
-    """A request as the engine thread tracks it."""
+    """An engine request as the engine thread tracks it: one prompt and its choices."""
 
+    request_id: str
     stream: RequestStream
     prompt_token_ids: list[int]
     params: SamplingParams
-    text: TextStream
+    choices: list[_Choice]
     arrival: float
     last_token_at: float | None = None
-    num_output_tokens: int = 0
 
+    def unfinished(self) -> int:
+        """How many of its choices have not ended yet."""
+        return sum(not c.finished for c in self.choices)
+
+
+# What the engine thread hands the event loop: a stream, its next item, and how many of
+# the server's pending choices that item ends (for the --max-pending-requests count).
+_Item = tuple[RequestStream, Delta | Exception, int]
 
 _STOP = None  # the inbox command that ends the engine thread
 
@@ -145,29 +185,43 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stop: list[str]
+        self, request_id: str, requests: list[EngineRequest], stop: list[str]
     ) -> RequestStream:
-        """Queue a request for the engine thread; raise rather than queue past the limit."""
+        """Queue the engine requests of one API request, which share a stream; raise
+        rather than queue past the limit, counted in choices."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
-        if self._pending >= self.max_pending:
+        num_choices = sum(r.num_choices for r in requests)
+        if self._pending + num_choices > self.max_pending:
             raise QueueFullError(
-                f"the server is full: {self._pending} requests are running or queued, the most "
-                f"that --max-pending-requests={self.max_pending} allows; retry later"
+                f"the server is full: {self._pending} choices are running or queued and "
+                f"this request adds {num_choices}, past the {self.max_pending} that "
+                f"--max-pending-requests={self.max_pending} allows; retry later"
             )
-        self._pending += 1
-        stream = RequestStream(request_id, self._inbox.put)
-        text = TextStream(self.engine.tokenizer, stop)
-        self._inbox.put(_Live(stream, prompt_token_ids, params, text, time.monotonic()))
+        self._pending += num_choices
+        ids = [request_id]
+        if len(requests) > 1:
+            ids = [f"{request_id}-{i}" for i in range(len(requests))]
+        stream = RequestStream(ids, num_choices, self._inbox.put)
+        now = time.monotonic()
+        for engine_id, request in zip(ids, requests, strict=True):
+            choices = [
+                _Choice(
+                    request.first_index + j,
+                    TextStream(self.engine.tokenizer, stop),
+                )
+                for j in range(request.num_choices)
+            ]
+            live = _Live(engine_id, stream, request.prompt_token_ids, request.params, choices, now)
+            self._inbox.put(live)
         return stream
 
     # --- event-loop side -------------------------------------------------------------
 
-    def _deliver(self, items: list[tuple[RequestStream, Delta | Exception]]) -> None:
-        for stream, item in items:
+    def _deliver(self, items: list[_Item]) -> None:
+        for stream, item, num_ended in items:
             stream.queue.put_nowait(item)
-            if isinstance(item, Exception) or item.finish_reason is not None:
-                self._pending -= 1
+            self._pending -= num_ended
 
     # --- engine thread ---------------------------------------------------------------
 
@@ -187,7 +241,7 @@ class AsyncEngine:
             self._fail_all(dead)
             while (command := self._inbox.get()) is not _STOP:  # so that no request waits
                 if isinstance(command, _Live):
-                    self._post([(command.stream, dead)])
+                    self._post([(command.stream, dead, command.unfinished())])
 
     def _take_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting for one if `block`; False on stop."""
@@ -210,33 +264,38 @@ class AsyncEngine:
         return False
 
     def _add(self, live: _Live) -> None:
-        request_id = live.stream.request_id
+        request_id = live.request_id
         try:
             self.engine.add_request(live.prompt_token_ids, live.params, request_id=request_id)
         except EngineDeadError:
             raise
         except ValueError as e:  # the request's fault: a 400
-            self._post([(live.stream, e)])
+            self._post([(live.stream, e, live.unfinished())])
             return
         except Exception as e:  # a bug, but this request's alone
             logger.exception("Could not add request %s.", request_id)
-            self._post([(live.stream, RequestFailedError(request_id, f"{type(e).__name__}: {e}"))])
+            failure = RequestFailedError(request_id, f"{type(e).__name__}: {e}")
+            self._post([(live.stream, failure, live.unfinished())])
             return
         self._live[request_id] = live
         self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
 
     def _abort(self, request_id: str, error: Exception | None = None) -> None:
-        """Stop a request; its stream ends with `error`, or an "abort" delta."""
+        """Stop a request; its stream ends with `error`, or an "abort" delta per choice."""
         live = self._live.pop(request_id, None)
         if live is None:
             return  # it finished before the abort arrived
         self.engine.abort_request(request_id)
         self.metrics.finished.labels("abort").inc()
-        self._post([(live.stream, error or self._delta(live, "", [], "abort"))])
+        if error is not None:
+            self._post([(live.stream, error, live.unfinished())])
+            return
+        left = [c for c in live.choices if not c.finished]
+        self._post([(live.stream, self._delta(live, c, "", [], "abort"), 1) for c in left])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        items = []
+        items: list[_Item] = []
         for output in outputs:
             live = self._live.get(output.request_id)
             if live is None:
@@ -244,23 +303,38 @@ class AsyncEngine:
             if output.error is not None:  # its step failed; the engine freed its blocks
                 del self._live[output.request_id]
                 self.metrics.finished.labels("error").inc()
-                items.append((live.stream, RequestFailedError(output.request_id, output.error)))
+                failure = RequestFailedError(output.request_id, output.error)
+                items.append((live.stream, failure, live.unfinished()))
                 continue
-            completion = output.outputs[0]
-            new = completion.token_ids[live.num_output_tokens :]
-            live.num_output_tokens = len(completion.token_ids)
-            self._observe_latency(live, now, len(new))
-            text = live.text.add(new, output.finished)
-            reason = completion.finish_reason if output.finished else None
-            if live.text.stopped:
-                if not output.finished:
-                    self.engine.abort_request(output.request_id)
-                reason = "stop"
-            if reason is not None:
+            deltas = self._choice_deltas(live, output, now)
+            items += [(live.stream, d, d.finish_reason is not None) for d in deltas]
+            if not live.unfinished():
                 del self._live[output.request_id]
-                self.metrics.finished.labels(reason).inc()
-            items.append((live.stream, self._delta(live, text, new, reason)))
+                if not output.finished:  # every choice hit a stop string
+                    self.engine.abort_request(output.request_id)
+                self.metrics.finished.labels(deltas[-1].finish_reason).inc()
         self._post(items)
+
+    def _choice_deltas(self, live: _Live, output: RequestOutput, now: float) -> list[Delta]:
+        """The text and tokens each unfinished choice gained in this step."""
+        deltas = []
+        num_new = 0
+        for completion in output.outputs:
+            choice = live.choices[completion.index]
+            if choice.finished:
+                continue
+            new = completion.token_ids[choice.num_output_tokens :]
+            choice.num_output_tokens = len(completion.token_ids)
+            num_new += len(new)
+            done = output.finished or completion.finish_reason is not None
+            text = choice.text.add(new, done)
+            reason = completion.finish_reason if done else None
+            if choice.text.stopped:
+                reason = "stop"
+            choice.finished = reason is not None
+            deltas.append(self._delta(live, choice, text, new, reason))
+        self._observe_latency(live, now, num_new)
+        return deltas
 
     def _observe_latency(self, live: _Live, now: float, num_new: int) -> None:
         if live.last_token_at is None:
@@ -271,13 +345,16 @@ class AsyncEngine:
         self.metrics.generation_tokens.inc(num_new)
 
     @staticmethod
-    def _delta(live: _Live, text: str, new: list[int], reason: str | None) -> Delta:
-        return Delta(text, new, reason, len(live.prompt_token_ids), live.num_output_tokens)
+    def _delta(
+        live: _Live, choice: _Choice, text: str, new: list[int], reason: str | None
+    ) -> Delta:
+        num_prompt = len(live.prompt_token_ids)
+        return Delta(choice.index, text, new, reason, num_prompt, choice.num_output_tokens)
 
     def _fail_all(self, error: Exception) -> None:
-        self._post([(live.stream, error) for live in self._live.values()])
+        self._post([(live.stream, error, live.unfinished()) for live in self._live.values()])
         self._live.clear()
 
-    def _post(self, items: list[tuple[RequestStream, Delta | Exception]]) -> None:
+    def _post(self, items: list[_Item]) -> None:
         if items:
             self._loop.call_soon_threadsafe(self._deliver, items)

@@ -26,6 +26,7 @@ from extkv.serving.protocol import APIError, check_prompt_length
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 MAX_PROCESSES = 4
 
 
@@ -33,11 +34,20 @@ class PromptEncoder:
     """The handlers' CPU work: `parse` on a thread, `encode` and `encode_chat` in the
     worker processes. `tokenizer` None: the model takes token ids only."""
 
-    def __init__(self, tokenizer: Any | None, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        model_name: str,
+        max_model_len: int,
+        chat_template: str | None = None,
+    ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._has_tokenizer = tokenizer is not None
-        self._has_chat_template = getattr(tokenizer, "chat_template", None) is not None
+        self._vocab_size = 0 if tokenizer is None else len(tokenizer)
+        self._chat_template = chat_template  # None: the tokenizer's own
+        own = getattr(tokenizer, "chat_template", None)
+        self._has_chat_template = chat_template is not None or own is not None
         self._tokenizer = tokenizer
         self._threads = ThreadPoolExecutor(4, thread_name_prefix="extkv-parse")
         self._processes = None if tokenizer is None else self._new_processes()
@@ -51,13 +61,23 @@ class PromptEncoder:
         """`fn(*args)` on a thread."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
-    async def encode(self, text: str, field: str) -> list[int]:
-        """The ids of a completion prompt (special tokens added as the model wants)."""
+    async def encode(
+        self, text: str, field: str, add_special_tokens: bool = True, whole: bool = False
+    ) -> list[int]:
+        """The ids of a completion prompt (special tokens added as the model wants). A prompt
+        that leaves no room to generate is a 400, unless `whole` (for /tokenize)."""
         self.require_tokenizer(field)
-        return await self._in_worker(_encode, field, text, True)
+        return await self._in_worker(_encode, field, whole, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of the chat template applied to `messages`, ready for the answer."""
+    async def encode_chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        whole: bool = False,
+    ) -> list[int]:
+        """The ids of the chat template applied to `messages` (ready for the answer when
+        `add_generation_prompt`); `whole` as in `encode`."""
         self.require_tokenizer("messages")
         if not self._has_chat_template:
             raise APIError(
@@ -67,9 +87,28 @@ class PromptEncoder:
                 "messages",
             )
         try:
-            return await self._in_worker(_encode_chat, "messages", messages)
+            args = (messages, add_generation_prompt, add_special_tokens)
+            return await self._in_worker(_encode_chat, "messages", whole, *args)
         except TemplateError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
+
+    async def decode(self, token_ids: list[int], field: str, skip_special_tokens: bool) -> str:
+        """The text of `token_ids`, each checked against the vocabulary (a 400 naming
+        `field` for one outside it)."""
+        self.require_tokenizer(field)
+        bad = next((t for t in token_ids if t >= self._vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"{field}: token id {bad} is outside the vocabulary of {self._vocab_size} "
+                f"tokens (ids 0 to {self._vocab_size - 1})",
+                field,
+            )
+        return await self._in_worker(_decode, field, True, token_ids, skip_special_tokens)
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (byte-level marks and all)."""
+        return await self._in_worker(_token_strs, "tokens", True, token_ids)
 
     def require_tokenizer(self, field: str) -> None:
         """A 400 naming `field` for text (a prompt, messages, stop strings) sent to a model
@@ -93,16 +132,19 @@ class PromptEncoder:
             max(1, min(MAX_PROCESSES, (os.cpu_count() or 1) // 2)),
             mp_context=multiprocessing.get_context("spawn"),  # no copy of the engine
             initializer=_start_worker,
-            initargs=(self._tokenizer,),
+            initargs=(self._tokenizer, self._chat_template),
         )
 
     async def _in_worker(
-        self, fn: Callable[..., list[int] | int], field: str, *args: Any
-    ) -> list[int]:
+        self, fn: Callable[..., R | int], field: str, whole: bool, *args: Any
+    ) -> R:
+        """`fn(limit, *args)` in a worker; `limit` None when `whole`, else max_model_len: a
+        result that long comes back as its length only, turned here into the 400."""
         assert self._processes is not None
         pool = self._processes
+        limit = None if whole else self.max_model_len
         try:
-            ids = await asyncio.wrap_future(pool.submit(fn, self.max_model_len, *args))
+            ids = await asyncio.wrap_future(pool.submit(fn, limit, *args))
         except BrokenProcessPool:  # a worker was killed (the OOM killer?): start afresh
             if self._processes is pool:
                 logger.error("A tokenizer process died; starting new ones.")
@@ -116,12 +158,13 @@ class PromptEncoder:
 # --- in the worker processes -----------------------------------------------------------
 
 _tokenizer: Any = None
+_chat_template: str | None = None
 
 
-def _start_worker(tokenizer: Any) -> None:
-    global _tokenizer
+def _start_worker(tokenizer: Any, chat_template: str | None) -> None:
+    global _tokenizer, _chat_template
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the server to handle
-    _tokenizer = tokenizer
+    _tokenizer, _chat_template = tokenizer, chat_template
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # as transformers' encode: every token, no padding
         backend.no_truncation()
@@ -132,16 +175,36 @@ def _ready() -> None:
     pass
 
 
-def _encode(max_model_len: int, text: str, add_special_tokens: bool) -> list[int] | int:
-    """The ids, or only their number when the prompt leaves no room to generate."""
+def _encode(limit: int | None, text: str, add_special_tokens: bool) -> list[int] | int:
+    """The ids, or only their number when there are `limit` or more (none: all of them)."""
     backend = getattr(_tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow (Python) tokenizer
         ids = _tokenizer.encode(text, add_special_tokens=add_special_tokens)
     else:
         ids = backend.encode(text, add_special_tokens=add_special_tokens)
-    return len(ids) if len(ids) >= max_model_len else list(getattr(ids, "ids", ids))
+    if limit is not None and len(ids) >= limit:
+        return len(ids)
+    return list(getattr(ids, "ids", ids))
 
 
-def _encode_chat(max_model_len: int, messages: list[dict[str, str]]) -> list[int] | int:
-    text = _tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return _encode(max_model_len, text, False)  # the template has the special tokens
+def _encode_chat(
+    limit: int | None,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> list[int] | int:
+    text = _tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=_chat_template,
+    )
+    return _encode(limit, text, add_special_tokens)  # the template has the special tokens
+
+
+def _decode(limit: None, token_ids: list[int], skip_special_tokens: bool) -> str:
+    return _tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token_strs(limit: None, token_ids: list[int]) -> list[str]:
+    return _tokenizer.convert_ids_to_tokens(token_ids)

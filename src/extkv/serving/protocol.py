@@ -12,13 +12,23 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 T = TypeVar("T", bound=BaseModel)
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+# vLLM's error types: the openai client's exception names for the status.
+_ERROR_TYPES = {
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
@@ -31,11 +41,12 @@ class APIError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        """OpenAI's error object; its `type` follows the status (5xx: server_error)."""
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
-        if self.status >= 500:
-            kind = "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+        """vLLM's error object: its `type` follows the status (other 4xx: BadRequestError,
+        other 5xx: InternalServerError), its `code` is the status."""
+        default = "InternalServerError" if self.status >= 500 else "BadRequestError"
+        kind = _ERROR_TYPES.get(self.status, default)
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.status}
+        return {"error": error}
 
 
 def _one_of(allowed: str) -> WrapValidator:
@@ -52,7 +63,11 @@ def _one_of(allowed: str) -> WrapValidator:
 
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
-Prompt = Annotated[str | list[TokenId], _one_of("a string or a list of token ids (ints >= 0)")]
+TokenIds = list[TokenId]
+Prompt = Annotated[
+    str | TokenIds | Annotated[list[str], Field(min_length=1)] | list[TokenIds],
+    _one_of("a string, a list of strings, a list of token ids (ints >= 0) or a list of such lists"),
+]
 Stop = Annotated[
     StopString | list[StopString], _one_of("a non-empty string or a list of non-empty strings")
 ]
@@ -62,6 +77,15 @@ class _Strict(BaseModel):
     # strict: "1" is not a number and 1.5 not an int; forbid: a misspelt field is an error,
     # not a silently ignored option.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"temperature": null` (as clients send for "not set") is the field's default."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class StreamOptions(_Strict):
@@ -79,7 +103,7 @@ class _GenerationRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
     stop: Stop | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -88,6 +112,13 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("invalid_value", "allowed only with stream=true")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -99,9 +130,19 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    """A /v1/completions body: the shared fields and a prompt, as text or token ids."""
+    """A /v1/completions body: the shared fields and a prompt (text or token ids), or a
+    list of them: one choice each; `echo` puts the prompt's text before each choice's."""
 
     prompt: Prompt
+    echo: bool = False
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each with its `n` choices (a single prompt is a list of one)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class TextPart(_Strict):
@@ -136,6 +177,33 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class TokenizeRequest(_Strict):
+    """A /tokenize body: vLLM's two kinds, a `prompt` (special tokens added unless
+    `add_special_tokens` is false) or chat `messages` (through the chat template, which
+    adds the special tokens itself; `add_generation_prompt` as in chat completions)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            message = "send either prompt (a string) or messages (a list of messages), not both"
+            raise PydanticCustomError("invalid_value", message)
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """A /detokenize body: token ids to turn back into text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def parse_request(model: type[T], body: bytes) -> T:
@@ -187,16 +255,19 @@ class Reply:
 
     def choice(
         self,
+        index: int,
         text: str,
-        token_ids: list[int],
         finish_reason: str | None,
         *,
         stream: bool,
+        token_ids: list[int],
+        prompt_token_ids: list[int] | None = None,
         first: bool = False,
     ) -> dict[str, Any]:
         """One choice: `text` for completions, a `message` for chat, a `delta` in chat chunks
-        (the first also names the role)."""
-        out: dict[str, Any] = {"index": 0}
+        (the choice's first also names the role). With `return_token_ids`, its token ids,
+        and the prompt's once: in the whole answer or the choice's first chunk."""
+        out: dict[str, Any] = {"index": index}
         if not self.chat:
             out["text"] = text
         elif stream:
@@ -207,6 +278,8 @@ class Reply:
         out["finish_reason"] = finish_reason
         if self.return_token_ids:
             out["token_ids"] = token_ids
+            if prompt_token_ids is not None and (first or not stream):
+                out["prompt_token_ids"] = prompt_token_ids
         return out
 
     def body(

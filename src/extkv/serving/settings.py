@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extkv.options import Float, Int, Text, Texts, check_options, option, required
+from extkv.options import File, Float, Int, Text, Texts, check_options, option, required
 
 
 @dataclass
@@ -49,5 +49,33 @@ class ServerSettings:
         Texts(),
     )
 
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template file for chat completions and /tokenize messages, in place "
+        "of the model's own (None: the model's)",
+        File(optional=True),
+    )
+
     def __post_init__(self) -> None:
         check_options(self)
+        if self.chat_template is not None:
+            self.chat_template_text()  # a broken template fails now, not at the first chat
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template file's text, refused (ValueError) unless it is valid Jinja."""
+        if self.chat_template is None:
+            return None
+        from jinja2 import Environment, TemplateSyntaxError
+
+        where = f"--chat-template {self.chat_template!r}"
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise ValueError(f"{where} is not UTF-8 text") from None
+        try:
+            Environment().parse(text)
+        except TemplateSyntaxError as e:
+            message = f"{where} is not a valid Jinja template: {e.message} (line {e.lineno})"
+            raise ValueError(message) from None
+        return text
