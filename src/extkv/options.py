@@ -342,7 +342,7 @@ def add_options(
         }
         if f.default is dataclasses.MISSING and f.name not in defaults:
             kwargs["required"] = True
-            kwargs["help"] = f"{meta['help']} ({kind.describe()})"
+            kwargs["help"] = f"{meta['help']} ({kind.describe()}; required)"
         else:
             default = defaults.get(f.name, f.default)
             kwargs["default"] = default
