@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
 
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
@@ -18,7 +18,11 @@ from extkv.engine.sequence import Sequence
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
 # mamba_ssm and extkv (per group, as the models were trained): against those, 1 group.
-HF_GROUPS = 2 if "group_size" in inspect.signature(MambaRMSNormGated.__init__).parameters else 1
+# (The class was renamed MambaRMSNormGated -> Mamba2RMSNormGated in 5.25.)
+_GATED_NORM = (
+    getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+)
+HF_GROUPS = 2 if "group_size" in inspect.signature(_GATED_NORM.__init__).parameters else 1
 # Chunks of 8: the prompts span several.
 MAMBA = dict(state_size=16, n_groups=HF_GROUPS, conv_kernel=4, chunk_size=8)
 MAMBA_FAMILIES = {
