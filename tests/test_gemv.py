@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.kernels.gemv import MAX_ROWS, linear_small_batch
+from extkv.kernels import gemv
+from extkv.kernels.gemv import MAX_ROWS, GemvConfig, gemv_config, linear_small_batch
 from extkv.models import ops
 from helpers import interpreter_rounds_bf16_to_nearest
 
@@ -58,20 +59,50 @@ def assert_matches_fp32(
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[x.dtype])
 
 
+# Tilings that split K (2 or 3 slices; a last slice shorter or empty), forced where
+# the interpreter's shapes would not split on their own.
+SPLITS = (GemvConfig(16, 32, split_k=2), GemvConfig(32, 64, split_k=3, num_stages=2))
+
+
 def check_linear(
-    num_rows: int, k: int, n: int, dtype: torch.dtype, with_bias: bool, device: str
+    num_rows: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    with_bias: bool,
+    device: str,
+    config: GemvConfig | None = None,
 ) -> None:
     x, weight, bias = random_linear(num_rows, k, n, dtype, with_bias, device)
-    assert_matches_fp32(linear_small_batch(x, weight, bias), x, weight, bias)
+    assert_matches_fp32(linear_small_batch(x, weight, bias, config), x, weight, bias)
+    if config is not None and config.split_k > 1:  # the last of each tile reset its counter
+        assert not gemv._ARRIVALS[torch.device(device)].any()
 
 
-def check_batch_invariant(k: int, n: int, dtype: torch.dtype, device: str) -> None:
+def check_batch_invariant(
+    k: int, n: int, dtype: torch.dtype, device: str, config: GemvConfig | None = None
+) -> None:
     """Each row's output is bit-identical whatever the number of rows around it."""
     x, weight, bias = random_linear(MAX_ROWS, k, n, dtype, True, device)
-    full = linear_small_batch(x, weight, bias)
+    full = linear_small_batch(x, weight, bias, config)
     for num_rows in (1, 2, 3, 8, MAX_ROWS):
-        assert torch.equal(linear_small_batch(x[:num_rows], weight, bias), full[:num_rows])
-    assert torch.equal(linear_small_batch(x[5:6], weight, bias), full[5:6])
+        rows = linear_small_batch(x[:num_rows], weight, bias, config)
+        assert torch.equal(rows, full[:num_rows])
+    assert torch.equal(linear_small_batch(x[5:6], weight, bias, config), full[5:6])
+
+
+def test_narrow_weights_split_k_to_fill_the_device() -> None:
+    """Qwen3-0.6B's N=1024 weights have 16 tiles of 64 rows for 132 SMs: K is split (in
+    slices of at least 3 stages, one program per SM at most); wide weights are not."""
+    for k, n in QWEN3_SHAPES:
+        config = gemv_config(n, k, 2, 132)
+        assert k >= config.split_k * 3 * config.block_k
+        assert -(-n // config.block_n) * config.split_k <= 132
+    assert gemv_config(1024, 2048, 2, 132).split_k == 4  # o_proj: slices of 512
+    assert gemv_config(1024, 3072, 2, 132).split_k == 8  # down: slices of 384
+    assert gemv_config(6144, 1024, 2, 132).split_k == 1  # gate_up: 96 tiles
+    assert gemv_config(1024, 512, 2, 132).split_k == 1  # 4 stages of K: nothing to split
+    assert gemv_config(1024, 2048, 2, 32).split_k == 1  # 16 tiles fill 32 SMs well enough
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -108,6 +139,14 @@ def interpreter_checks() -> list[Callable[[], None]]:
             for with_bias in (False, True)
         ),
         *(partial(check_batch_invariant, 100, 77, dtype, "cpu") for dtype in DTYPES),
+        *(
+            partial(check_linear, num_rows, k, n, dtype, True, "cpu", config)
+            for k, n in ((100, 77), (1100, 40), (128, 512))
+            for num_rows in (1, 3)
+            for dtype in (torch.float32, torch.bfloat16)
+            for config in SPLITS
+        ),
+        *(partial(check_batch_invariant, 1100, 40, torch.bfloat16, "cpu", c) for c in SPLITS),
     ]
 
 
