@@ -257,7 +257,8 @@ class ModelRunner:
             self.graphs.run(bs)
             return self.logits[:n], self.greedy_tokens[:n]
         shape = StepShape(inputs.num_tokens, n, inputs.block_tables.shape[1])
-        views = self.buffers.stage(inputs, shape)
+        self.buffers.stage(inputs, shape)
+        views = self.buffers.views(shape, len(inputs.sample_rows))
         context = views.context(
             inputs.is_prefill,
             int((inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).max()),

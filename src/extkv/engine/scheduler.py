@@ -82,9 +82,13 @@ class Scheduler:
         if step is None:
             return None
         seqs, counts, is_prefill = step
+        if is_prefill:
+            requests = [self._scheduled(seq, n) for seq, n in zip(seqs, counts, strict=True)]
+        else:
+            requests = [self._scheduled_decode(seq) for seq in seqs]
         plan = StepPlan(
             is_prefill,
-            [self._scheduled(seq, n) for seq, n in zip(seqs, counts, strict=True)],
+            requests,
             new_request_ids=self._new,
             resumed_request_ids=self._resumed,
             finished_request_ids=self._finished,
@@ -96,17 +100,34 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         known = seq.token_ids[start:end]
-        state_blocks = tuple([block] for block in seq.state_blocks)
-        has_attention = self.block_manager.needs.has_attention
         return ScheduledRequest(
             request_id=seq.request_id,
             num_computed_tokens=start,
             num_new_tokens=num_new_tokens,
             token_ids=known,
             pending=len(known) < num_new_tokens,
-            block_ids=(seq.block_table, *state_blocks) if has_attention else state_blocks,
+            block_ids=self._block_ids(seq),
             sampling=seq.params if end == len(seq) else None,
         )
+
+    def _scheduled_decode(self, seq: Sequence) -> ScheduledRequest:
+        """`_scheduled(seq, 1)` for a decode, which always samples: the hot path at large
+        batches (one per running request per step), so it computes only what it must."""
+        start = seq.num_computed_tokens
+        known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
+        return ScheduledRequest(
+            seq.request_id, start, 1, known, not known, self._block_ids(seq), seq.params
+        )
+
+    def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
+        """`seq`'s blocks per KV cache group: the attention table, then one state block
+        per recurrent group."""
+        if not seq.state_blocks:
+            return (seq.block_table,)
+        state_blocks = tuple([block] for block in seq.state_blocks)
+        if self.block_manager.needs.has_attention:
+            return (seq.block_table, *state_blocks)
+        return state_blocks
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []
@@ -146,18 +167,22 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
         blocks = self.block_manager
+        # Most steps need no new block: a running sequence has its state blocks, so it
+        # fits while its tokens fit its attention blocks (always, without attention).
+        block_size = blocks.needs.block_size if blocks.needs.has_attention else 0
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted just now to make room for an older sequence
-            if seq.num_pending and self._at_length_limit(seq, len(seq)):
+            num_tokens = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and self._at_length_limit(seq, num_tokens):
                 continue  # its pending token is its last
-            # Most steps need no new block: check that cheaply before the full path.
-            if blocks.blocks_missing(seq, len(seq)) == 0:
+            if not block_size or num_tokens <= len(seq.block_table) * block_size:
                 seqs.append(seq)
-            elif seq.num_pending and not blocks.can_hold(seq, len(seq)):
+            elif seq.num_pending and not blocks.can_hold(seq, num_tokens):
                 # Its token in flight may finish it: wait a step rather than preempt others.
                 continue
-            elif self._make_room(seq, len(seq)):
+            elif self._make_room(seq, num_tokens):
                 seqs.append(seq)
         return (seqs, [1] * len(seqs), False) if seqs else None
 
@@ -189,22 +214,26 @@ class Scheduler:
     def launched(self, plan: StepPlan) -> None:
         """Record that `plan` (the last one made) went to the device: its tokens count as
         computed, and each request it samples has one more token pending."""
+        remember = self.block_manager.prefix_caching
         for seq, request in zip(self._planned, plan.requests, strict=True):
             seq.num_computed_tokens += request.num_new_tokens
-            self.block_manager.remember_computed(seq)
+            if remember:
+                self.block_manager.remember_computed(seq)
             if request.sampling is not None:
                 seq.num_pending += 1
 
     def update(self, request_ids: list[str], tokens: list[int]) -> list[Sequence]:
         """Record the tokens a launched step sampled; return the sequences they finished."""
         finished = []
+        remember = self.block_manager.prefix_caching
         for request_id, token in zip(request_ids, tokens, strict=True):
             seq = self._requests.get(request_id)
             if seq is None:
                 continue  # aborted, or finished by a token of the step before
             seq.num_pending -= 1
             seq.token_ids.append(token)
-            self.block_manager.remember_computed(seq)
+            if remember:
+                self.block_manager.remember_computed(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 # Usually running; waiting if preempted while this token was in flight.

@@ -15,7 +15,7 @@ are packed at its start, so the copy moves no byte more than the step uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain
 
 import numpy as np
 import torch
@@ -71,45 +71,49 @@ class StepInputs:
 
 def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, int]) -> StepInputs:
     """The host arrays of `plan`; `last_rows` says where each request's pending token is
-    among the tokens the previous step sampled."""
+    among the tokens the previous step sampled. It runs every step for every request,
+    so the per-request work is kept to one pass of builtins each; the rest is numpy."""
     requests = plan.requests
-    counts = np.array([r.num_new_tokens for r in requests], dtype=np.int64)
-    starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
-    cu_seqlens = np.zeros(len(requests) + 1, dtype=np.int64)
+    num_seqs = len(requests)
+    counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
+    starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+    cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=cu_seqlens[1:])
     num_tokens = int(cu_seqlens[-1])
+    if plan.is_prefill:
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
+    else:  # one token per sequence
+        seq_of_token, positions = np.arange(num_seqs), starts
     tokens = np.empty((TOKEN_ROWS, num_tokens), dtype=np.int64)
-    tokens[0] = np.fromiter(
-        (t for r in requests for t in (*r.token_ids, *[0] * r.pending)), np.int64, num_tokens
-    )
-    seq_of_token = np.repeat(np.arange(len(requests)), counts)
-    positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
+    known = chain.from_iterable([*r.token_ids, 0] if r.pending else r.token_ids for r in requests)
+    tokens[0] = np.fromiter(known, np.int64, num_tokens)
     tokens[1] = positions
     tokens[3] = -1
-    pending = [i for i, r in enumerate(requests) if r.pending]
+    pending = [(i, last_rows[r.request_id]) for i, r in enumerate(requests) if r.pending]
     if pending:
-        tokens[3, cu_seqlens[1:][pending] - 1] = [
-            last_rows[requests[i].request_id] for i in pending
-        ]
+        rows, sources = zip(*pending, strict=True)
+        tokens[3, cu_seqlens[1:][list(rows)] - 1] = sources
     num_groups = needs.num_state_groups
     first_state = 1 if needs.has_attention else 0
     if needs.has_attention:
-        rows = [r.block_ids[0] for r in requests]
-        width = max(map(len, rows), default=0)
-        tables = np.zeros((len(requests), width), dtype=np.int64)
-        for i, row in enumerate(rows):
-            tables[i, : len(row)] = row
+        tables_of = [r.block_ids[0] for r in requests]
+        lengths = np.fromiter(map(len, tables_of), np.int64, num_seqs)
+        width = int(lengths.max()) if num_seqs else 0
+        tables = np.zeros((num_seqs, width), dtype=np.int64)
+        held = np.arange(width) < lengths[:, None]  # row-major: each table in order
+        tables[held] = np.fromiter(chain.from_iterable(tables_of), np.int64, int(lengths.sum()))
         size = needs.block_size
         tokens[2] = tables[seq_of_token, positions // size] * size + positions % size
     else:
-        tables = np.zeros((len(requests), 0), dtype=np.int64)
+        tables = np.zeros((num_seqs, 0), dtype=np.int64)
         tokens[2] = -1  # pure Mamba: the state is one block, not a slot per token
-    seqs = np.empty((2 + num_groups, len(requests)), dtype=np.int64)
+    seqs = np.empty((2 + num_groups, num_seqs), dtype=np.int64)
     seqs[0] = starts + counts
     seqs[1] = starts > 0
     for g in range(num_groups):
         seqs[2 + g] = [r.block_ids[first_state + g][0] for r in requests]
-    sampled = [r.sampling is not None for r in requests]
+    sampled = np.fromiter((r.sampling is not None for r in requests), bool, num_seqs)
     return StepInputs(
         is_prefill=plan.is_prefill,
         tokens=tokens.astype(np.int32),
@@ -184,15 +188,17 @@ class InputBuffers:
 
     def _split(self, buffer: torch.Tensor | np.ndarray, shape: StepShape, num_sampled: int):
         t, s, w = shape.num_tokens, shape.num_seqs, shape.width
-        sizes = [TOKEN_ROWS * t, s + 1, (2 + self.num_state_groups) * s, s, s * w]
-        offsets = np.cumsum([0, *sizes])
-        tokens, cu, seqs, sample, tables = (buffer[a:b] for a, b in pairwise(offsets))
+        rows = 2 + self.num_state_groups
+        cu = TOKEN_ROWS * t
+        seqs = cu + s + 1
+        sample = seqs + rows * s
+        tables = sample + s
         return (
-            tokens.reshape(TOKEN_ROWS, t),
-            cu,
-            seqs.reshape(2 + self.num_state_groups, s),
-            sample[:num_sampled],
-            tables.reshape(s, w),
+            buffer[:cu].reshape(TOKEN_ROWS, t),
+            buffer[cu:seqs],
+            buffer[seqs:sample].reshape(rows, s),
+            buffer[sample : sample + num_sampled],
+            buffer[tables : tables + s * w].reshape(s, w),
         )
 
     def fits(self, shape: StepShape) -> bool:
@@ -219,11 +225,11 @@ class InputBuffers:
             block_tables=tables,
         )
 
-    def stage(self, inputs: StepInputs, shape: StepShape) -> StepViews:
+    def stage(self, inputs: StepInputs, shape: StepShape) -> None:
         """Write `inputs` into the host buffer, padded to `shape`, and send them with one
-        copy. Padding rows write nothing (slot -1, state row -1), take their token from
-        the ids row and attend to one token of block 0, which both KV cache paths always
-        have committed."""
+        copy (a graph replay needs no more; an eager step then takes its `views`). Padding
+        rows write nothing (slot -1, state row -1), take their token from the ids row and
+        attend to one token of block 0, which both KV cache paths always have committed."""
         if self._sent is not None:
             self._sent.synchronize()
         n, s = inputs.num_tokens, inputs.num_seqs
@@ -244,4 +250,3 @@ class InputBuffers:
             used = self._size(shape)
             self.staged[:used].copy_(self.host[:used], non_blocking=True)
             self._sent.record(torch.cuda.current_stream(self.staged.device))
-        return self.views(shape, len(inputs.sample_rows))
