@@ -76,6 +76,42 @@ def test_legacy_and_extensible_agree_and_extensible_logs_its_flow(
     assert extkv_tokens(legacy, PROMPTS, params) == extkv_tokens(extensible, PROMPTS, params)
 
 
+def test_start_up_logs_each_phase_with_its_time(
+    qwen3: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Start-up on the CPU is no silence: load, profile, capture and sizing each say when
+    they begin or end, and how long they took (the figures of the memory report)."""
+    with caplog.at_level(logging.INFO, logger="extkv"):
+        llm = LLM(qwen3, enable_extensible_kv_cache=True, **SMALL)
+    report = llm.memory_report()
+    messages = [r.getMessage() for r in caplog.records]
+
+    def index(prefix: str) -> int:
+        return next(i for i, m in enumerate(messages) if m.startswith(prefix))
+
+    phases = [
+        index(f"Loading {qwen3} (torch.float32) on cpu."),
+        index(f"Loaded the weights in {report['load_seconds']:.2f} s."),
+        index("Profiling memory: one step of 512 tokens over "),  # max_num_batched_tokens
+        index(f"Memory profile took {report['profile_seconds']:.2f} s: "),
+        index("Capturing the decode graphs (the CPU: warm-ups only)."),
+        index(f"Capture took {report['capture_seconds']:.2f} s; "),
+        index(f"KV cache setup took {report['kv_setup_seconds']:.2f} s "),
+    ]
+    assert phases == sorted(phases)
+    sizing = messages[phases[-1]]
+    assert f"extend {report['extend_seconds']:.2f} s): {report['num_blocks']} blocks." in sizing
+
+
+def test_cpu_steps_default_to_2048_tokens(qwen3: Path) -> None:
+    """The CPU's start-up profile runs one step of max_num_batched_tokens: 2048 there, not
+    CUDA's 8192 (which only made the CPU's start-up slower); more sequences raise it."""
+    for max_num_seqs, step in [(4, 2048), (4096, 4096)]:
+        config = EngineConfig(model=str(qwen3), device="cpu", max_num_seqs=max_num_seqs)
+        config.finalize(256)
+        assert config.max_num_batched_tokens == step
+
+
 @pytest.mark.parametrize("extensible", [False, True])
 def test_memory_report_fields(qwen3: Path, extensible: bool) -> None:
     """The report's figures follow from the model, the options and the sizing rules (on

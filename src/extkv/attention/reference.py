@@ -1,12 +1,16 @@
 """Plain torch attention over the paged cache: the CPU path and the kernels' oracle.
 
-Written for clarity, not speed: one sequence at a time, K/V gathered through
-the block table, `scaled_dot_product_attention` with the causal offset of the
-cached prefix.
+One sequence at a time, its K/V gathered through the block table. A whole
+prompt is one causal `scaled_dot_product_attention` call, as transformers makes
+it (the CPU's flash kernel: memory linear in the prompt); a prompt after a
+cached prefix goes `QUERY_CHUNK` queries at a time, each chunk against the keys
+up to its last query under a (chunk, context) mask, so its memory grows linearly
+with its length too, not with its square.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -31,22 +35,37 @@ def store_kv_reference(
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q (L, Hq, D) over k/v (S, Hkv, D), q being the last L of S."""
+# Queries per masked scaled_dot_product_attention call (a prompt continuing a cached
+# prefix): its mask is QUERY_CHUNK x context. 1024 is about as fast as one call on the CPU.
+QUERY_CHUNK = 1024
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK
+) -> torch.Tensor:
+    """Causal attention of q (L, Hq, D) over k/v (S, Hkv, D), q being the last L of S, in
+    fp32, with memory O(chunk x S) beyond the inputs. The tensors go to SDPA as
+    (1, H, L, D): in 3-D, the CPU takes its math path, which builds the whole L x S scores."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of queries; got {chunk}")
     q_len, kv_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-    mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k.transpose(0, 1).float(),
-        v.transpose(0, 1).float(),
-        attn_mask=mask,
-        scale=scale,
-    )
-    return out.transpose(0, 1).to(q.dtype)
+    offset = kv_len - q_len  # the cached prefix before the first query
+    q, k, v = (t.transpose(0, 1).float()[None] for t in (q, k, v))
+    attend = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=True)
+    if offset == 0 or q_len == 1:
+        # A whole prompt: transformers' own call (no mask to build); one query: no mask.
+        out = attend(q, k, v, is_causal=q_len > 1)
+    else:
+        out = torch.empty_like(q)
+        for start in range(0, q_len, chunk):
+            end = min(start + chunk, q_len)
+            keys = offset + end  # what the chunk's last query sees
+            key_pos = torch.arange(keys, device=q.device)
+            mask = key_pos[None, :] <= key_pos[offset + start :, None]
+            out[:, :, start:end] = attend(
+                q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], attn_mask=mask
+            )
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_reference(
@@ -65,7 +84,7 @@ def paged_attention_reference(
         blocks = metadata.block_tables[s, :num_blocks].long()
         k = k_cache[blocks].flatten(0, 1)[:context_len]
         v = v_cache[blocks].flatten(0, 1)[:context_len]
-        out[cu[s] : cu[s + 1]] = _attend(query[cu[s] : cu[s + 1]], k, v, scale)
+        out[cu[s] : cu[s + 1]] = causal_attention(query[cu[s] : cu[s + 1]], k, v, scale)
     return out
 
 
@@ -80,5 +99,5 @@ def varlen_attention_reference(
     out = torch.empty_like(query)
     cu = cu_seqlens.tolist()
     for start, end in itertools.pairwise(cu):
-        out[start:end] = _attend(query[start:end], key[start:end], value[start:end], scale)
+        out[start:end] = causal_attention(query[start:end], key[start:end], value[start:end], scale)
     return out

@@ -22,6 +22,8 @@ _DTYPES = {
 }
 KV_LAYOUTS = ("split", "block_major")
 DEFAULT_MAX_MODEL_LEN = 8192  # for models without max_position_embeddings (pure Mamba)
+DEFAULT_STEP_TOKENS = 8192  # max_num_batched_tokens on CUDA
+DEFAULT_CPU_STEP_TOKENS = 2048  # and on the CPU
 
 
 def _resolve_engine_device(device: object) -> torch.device:
@@ -96,7 +98,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None,
         "most tokens in one step (longer prompts are prefilled in chunks); None: "
-        "max(8192, max_num_seqs)",
+        "max(8192, max_num_seqs) on CUDA, max(2048, max_num_seqs) on the CPU",
         Int(1, optional=True),
     )
     enforce_eager: bool = option(False, "no CUDA graphs", Bool())
@@ -175,7 +177,10 @@ class EngineConfig:
                 f"max_position_embeddings ({max_position_embeddings})"
             )
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+            # On the CPU a step of 2048 tokens already keeps the matmuls busy; more only
+            # makes the start-up profile (one step of this many tokens) slower.
+            step = DEFAULT_STEP_TOKENS if self.device.type == "cuda" else DEFAULT_CPU_STEP_TOKENS
+            self.max_num_batched_tokens = max(step, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

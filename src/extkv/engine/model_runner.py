@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import resource
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ from extkv.attention import Attention, ForwardContext, set_forward_context
 from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
+from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from extkv.engine.sampler import Sampler
 from extkv.engine.step_inputs import (
     InputBuffers,
@@ -155,6 +155,7 @@ class ModelRunner:
         context = ForwardContext.packed_prefill(lengths, self.device)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        logger.info("Profiling memory: one step of %d tokens over %d sequences.", total, num_seqs)
         before = self._memory_high_water_mark(reset=True)
         with set_forward_context(context):
             hidden = self.model(input_ids, positions)
@@ -174,9 +175,11 @@ class ModelRunner:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 return torch.cuda.memory_allocated(self.device)
             return torch.cuda.max_memory_allocated(self.device)
-        # The CPU has no allocator statistics: the process's peak resident set grows
-        # only when a step needs more than any step before it.
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # The CPU has no allocator statistics: the growth of the process's peak resident
+        # set (reset first where the OS allows, so loading's peak does not hide the step's).
+        if reset and reset_peak_resident():
+            return resident_bytes()
+        return peak_resident_bytes()
 
     # --- CUDA graphs ---------------------------------------------------------------------
 

@@ -183,8 +183,10 @@ def start_rank(
     torch.manual_seed(config.seed)
     free_at_start = free_memory_at_start(config)
     try:
+        logger.info("Loading %s (%s) on %s.", config.model, config.dtype, config.device)
         model, hf_config = load_model(config.model, config.dtype, config.device, group)
         load_seconds = time.perf_counter() - start
+        logger.info("Loaded the weights in %.2f s.", load_seconds)
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         kv_plan = make_kv_cache_plan(model, config)
@@ -205,11 +207,17 @@ def _smallest(runner: ModelRunner, num_blocks: int, what: str) -> int:
 
 
 def _measure_graphs(runner: ModelRunner, report: MemoryReport) -> None:
+    if not runner.config.enforce_eager:
+        logger.info(
+            "Capturing the decode graphs%s.",
+            "" if runner.use_cuda_graphs else " (the CPU: warm-ups only)",
+        )
     report.graph_pool_bytes, report.capture_seconds = _timed(runner.capture_cudagraphs)
     report.graph_pool_bytes_per_rank = runner.tp.all_gather_ints(report.graph_pool_bytes)
     estimate = report.graph_pool_estimate_bytes
     logger.info(
-        "CUDA graphs took %s GiB%s%s.",
+        "Capture took %.2f s; CUDA graphs took %s GiB%s%s.",
+        report.capture_seconds,
         ", ".join(f"{b / GiB:.3f}" for b in report.graph_pool_bytes_per_rank),
         f" on ranks 0-{runner.tp.size - 1}" if runner.tp.size > 1 else "",
         "" if estimate is None else f" (estimated {estimate / GiB:.3f} GiB)",
@@ -240,8 +248,9 @@ def initialize_kv_cache(
         profile_seconds=profile_seconds,
     )
     logger.info(
-        "Memory profile: budget %.2f GiB, in use %.2f GiB (weights %.2f GiB), activation "
-        "peak %.2f GiB, available %.2f GiB.",
+        "Memory profile took %.2f s: budget %.2f GiB, in use %.2f GiB (weights %.2f GiB), "
+        "activation peak %.2f GiB, available %.2f GiB.",
+        profile_seconds,
         budget / GiB,
         in_use / GiB,
         report.weights_bytes / GiB,
@@ -255,12 +264,16 @@ def initialize_kv_cache(
     report.kv_reserved_bytes = cache.reserved_bytes
     report.kv_bytes_by_kind = cache.bytes_by_kind()
     report.kv_setup_seconds = time.perf_counter() - start
+    sizing = report.kv_setup_seconds - report.profile_seconds - report.capture_seconds
     logger.info(
-        "KV cache setup took %.2f s (profile %.2f s, capture %.2f s, extend %.2f s).",
+        "KV cache setup took %.2f s (profile %.2f s, capture %.2f s, sizing %.2f s of which "
+        "extend %.2f s): %d blocks.",
         report.kv_setup_seconds,
         report.profile_seconds,
         report.capture_seconds,
+        sizing,
         report.extend_seconds,
+        report.num_blocks_committed,
     )
     return cache, report
 

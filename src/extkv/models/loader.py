@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from extkv.distributed import SINGLE, TPGroup, use_group
@@ -96,11 +97,12 @@ def load_model(
     config = source.config()
     device = torch.device(device)
     model = _build(config, dtype, device, group)
+    show = group.rank == 0  # one bar, not one per rank
     if source.gguf_file is None:
-        load_weights(model, source.path, device)
+        load_weights(model, source.path, device, show)
     else:
         file = os.path.join(source.path, source.gguf_file)
-        load_tensors(model, gguf_tensors(file, config, dtype), file, device)
+        load_tensors(model, gguf_tensors(file, config, dtype), file, device, show)
     return model.requires_grad_(False).eval(), config
 
 
@@ -182,6 +184,11 @@ def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot
     return chosen
 
 
+def _progress(total: int, show: bool) -> tqdm:
+    """A bar over the tensors to load: on the CPU a big checkpoint takes a while."""
+    return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show)
+
+
 def _fill(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
     weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
     try:
@@ -191,27 +198,37 @@ def _fill(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str, device: torch.device) -> None:
+def load_weights(
+    model: nn.Module, path: str, device: torch.device, show_progress: bool = True
+) -> None:
     """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
     names_in: dict[str, list[str]] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             names_in[file] = list(f.keys())
     chosen = _match(model, set().union(*names_in.values()), path)
-    for file, names in names_in.items():
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for name in filter(chosen.__contains__, names):
-                _fill(chosen[name], name, f.get_tensor(name), file)
+    with _progress(len(chosen), show_progress) as bar:
+        for file, names in names_in.items():
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for name in filter(chosen.__contains__, names):
+                    _fill(chosen[name], name, f.get_tensor(name), file)
+                    bar.update()
 
 
 @torch.no_grad()
 def load_tensors(
-    model: nn.Module, tensors: dict[str, torch.Tensor], where: str, device: torch.device
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    device: torch.device,
+    show_progress: bool = True,
 ) -> None:
     """Fill every parameter of `model` from `tensors` (Hugging Face names, all in memory, as
     a GGUF file's are), releasing each once loaded so that two copies never coexist."""
     chosen = _match(model, set(tensors), where)
-    for name in list(tensors):
-        tensor = tensors.pop(name)
-        if name in chosen:
-            _fill(chosen[name], name, tensor.to(device), where)
+    with _progress(len(chosen), show_progress) as bar:
+        for name in list(tensors):
+            tensor = tensors.pop(name)
+            if name in chosen:
+                _fill(chosen[name], name, tensor.to(device), where)
+                bar.update()

@@ -1,0 +1,100 @@
+"""The CPU's attention (the torch reference): exact, and memory linear in the prompt.
+
+A whole prompt is one causal SDPA call, as transformers makes it; a prompt after a cached
+prefix goes a chunk of queries at a time. Neither may build the prompt x context scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extkv.attention.reference import causal_attention
+from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
+
+SCALE = 0.125
+MiB = 1 << 20
+
+
+def qkv(q_len: int, kv_len: int, heads: int = 6, kv_heads: int = 2, dim: int = 32):
+    gen = torch.Generator().manual_seed(q_len * 7919 + kv_len)
+    q = torch.randn(q_len, heads, dim, generator=gen)
+    k, v = torch.randn(2, kv_len, kv_heads, dim, generator=gen)
+    return q, k, v
+
+
+def full_mask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The definition, in float64: every score of the prompt against its context at once."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    q_len, kv_len = q.shape[1], k.shape[1]
+    pos = torch.arange(kv_len)
+    scores = (q @ k.transpose(1, 2) * SCALE).masked_fill(
+        pos[None, :] > pos[kv_len - q_len :, None], float("-inf")
+    )
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "chunk"),
+    [
+        (1500, 1500, 64),  # a whole prompt
+        (700, 1000, 64),  # after a cached prefix of 300: 11 chunks, the last one short
+        (130, 131, 7),
+        (256, 512, 256),  # one chunk exactly
+        (1, 900, 64),  # a decode
+    ],
+)
+def test_attention_equals_the_full_mask(q_len: int, kv_len: int, chunk: int) -> None:
+    q, k, v = qkv(q_len, kv_len)
+    out = causal_attention(q, k, v, SCALE, chunk)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), full_mask_attention(q, k, v), atol=2e-6, rtol=0)
+
+
+def test_a_whole_prompt_is_transformers_call() -> None:
+    """Bit for bit what transformers' SDPA attention computes (causal, no mask, GQA)."""
+    q, k, v = qkv(900, 900)
+    expected = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=SCALE, enable_gqa=True
+    )
+    assert torch.equal(causal_attention(q, k, v, SCALE), expected[0].transpose(0, 1))
+
+
+def test_chunks_bound_every_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a cached prefix, no SDPA call sees more than `chunk` queries: its mask (and
+    scores) are at most chunk x context, never prompt x context."""
+    q, k, v = qkv(1000, 1600)
+    calls: list[tuple[int, int]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[-2], 0 if attn_mask is None else attn_mask.numel()))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    causal_attention(q, k, v, SCALE, chunk=128)
+    assert len(calls) == 8  # ceil(1000 / 128)
+    assert max(queries for queries, _ in calls) == 128
+    assert max(mask for _, mask in calls) <= 128 * 1600
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(8192, 8192), (4096, 8192)])
+def test_prefill_memory_is_linear(q_len: int, kv_len: int) -> None:
+    """One head of an 8192-token context: the whole scores would take 256 MiB (and their
+    mask 64 MiB more); the attention takes a few MiB beyond its inputs."""
+    if not reset_peak_resident():
+        pytest.skip("this OS cannot reset the resident set's high-water mark")
+    q, k, v = qkv(q_len, kv_len, heads=1, kv_heads=1, dim=16)
+    causal_attention(q[:8], k[: kv_len - q_len + 8], v[: kv_len - q_len + 8], SCALE, 256)
+    reset_peak_resident()
+    before = resident_bytes()
+    causal_attention(q, k, v, SCALE, chunk=256)
+    assert peak_resident_bytes() - before < 48 * MiB
+
+
+def test_chunk_must_be_positive() -> None:
+    q, k, v = qkv(4, 8)
+    with pytest.raises(ValueError, match="chunk must be a positive number of queries; got 0"):
+        causal_attention(q, k, v, SCALE, chunk=0)
