@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
@@ -77,10 +78,11 @@ def test_legacy_and_extensible_agree_and_extensible_logs_its_flow(
 
 
 def test_start_up_logs_each_phase_with_its_time(
-    qwen3: Path, caplog: pytest.LogCaptureFixture
+    qwen3: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
 ) -> None:
     """Start-up on the CPU is no silence: load, profile, capture and sizing each say when
-    they begin or end, and how long they took (the figures of the memory report)."""
+    they begin or end, and how long they took (the figures of the memory report); a bar
+    shows the weights loading."""
     with caplog.at_level(logging.INFO, logger="extkv"):
         llm = LLM(qwen3, enable_extensible_kv_cache=True, **SMALL)
     report = llm.memory_report()
@@ -101,6 +103,9 @@ def test_start_up_logs_each_phase_with_its_time(
     assert phases == sorted(phases)
     sizing = messages[phases[-1]]
     assert f"extend {report['extend_seconds']:.2f} s): {report['num_blocks']} blocks." in sizing
+    with safe_open(qwen3 / "model.safetensors", framework="pt") as checkpoint:
+        tensors = len(checkpoint.keys())  # every one of them loaded
+    assert f"Loading weights: 100%|██████████| {tensors}/{tensors} " in capsys.readouterr().err
 
 
 def test_cpu_steps_default_to_2048_tokens(qwen3: Path) -> None:
