@@ -42,7 +42,9 @@ def config_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("INFO")]
+    # Besides the log, the weights' progress bar (its updates split on "\r") may come first.
+    lines = result.stderr.strip().splitlines()
+    lines = [line for line in lines if line and not line.startswith(("INFO", "Loading weights: "))]
     assert len(lines) == 1, result.stderr
     return lines[0]
 
