@@ -34,6 +34,33 @@ def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
     return path
 
 
+SMOLLM2_135M_SHAPE = dict(  # SmolLM2-135M's config (a Llama), for random-weight timing
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    initializer_range=0.02,
+)
+
+
+def smollm2_135m_checkpoint(folder: str = "/tmp/extkv-bench/smollm2-135m-random") -> Path:
+    """A random bf16 checkpoint of SmolLM2-135M's shape (tied embeddings), built once: the
+    real model's step costs without needing its weights."""
+    path = Path(folder)
+    if not (path / "config.json").exists():
+        from extkv.demo import make_random_checkpoint
+
+        logger.info("building a random SmolLM2-135M-shaped checkpoint in %s", path)
+        make_random_checkpoint(
+            path, "llama", with_tokenizer=False, dtype=torch.bfloat16, **SMOLLM2_135M_SHAPE
+        )
+    return path
+
+
 def tiny_checkpoint(architecture: str = "qwen3") -> Path:
     """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
     path = Path(f"/tmp/extkv-bench/tiny-{architecture}")

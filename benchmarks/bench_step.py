@@ -1,10 +1,12 @@
 """Where one decode step's time goes: wall, GPU and host milliseconds, kernels and
-blocking waits per step, and the memory-bandwidth roofline, on the Qwen3-0.6B shape.
+blocking waits per step, and the memory-bandwidth roofline, on the Qwen3-0.6B shape
+(or SmolLM2-135M's: --shape smollm2-135m).
 
-    python benchmarks/bench_step.py [--batch-sizes 1 256] [--baseline-src DIR] [--json OUT]
+    python benchmarks/bench_step.py [--batch-sizes 1 256] [--shape S] [--baseline-src DIR]
+        [--json OUT]
     python benchmarks/bench_step.py --smoke   # tiny model on the CPU: proves it runs
 
-The engine (random bf16 weights of Qwen3-0.6B's shape, extensible KV cache, CUDA
+The engine (random bf16 weights of the shape, extensible KV cache, CUDA
 graphs) is driven one step at a time through `LLM.engine` (`add_request`, `step`,
 `has_unfinished_requests`; `step(finished_only=True)`, as `LLM.generate` steps, where
 the tree has it): every batch size with asynchronous scheduling ("async"), batch 1
@@ -57,6 +59,7 @@ from _common import (
     qwen3_0_6b_checkpoint,
     random_prompts,
     report,
+    smollm2_135m_checkpoint,
     tiny_checkpoint,
     write_json,
 )
@@ -185,8 +188,11 @@ def weights_bytes(llm: LLM, checkpoint: Path) -> int:
     return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
 
 
+SHAPES = {"qwen3-0.6b": qwen3_0_6b_checkpoint, "smollm2-135m": smollm2_135m_checkpoint}
+
+
 def checkpoint(args) -> Path:
-    return tiny_checkpoint("qwen3") if args.smoke else qwen3_0_6b_checkpoint()
+    return tiny_checkpoint("qwen3") if args.smoke else SHAPES[args.shape]()
 
 
 def measure(args) -> Rows:
@@ -229,6 +235,9 @@ def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 256 (smoke: 1 4)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="random weights of this model"
+    )
     parser.add_argument(
         "--kernel-table", type=int, default=0, help="log the N costliest kernels (default 0: none)"
     )
