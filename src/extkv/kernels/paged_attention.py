@@ -217,11 +217,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides.
 
     `out` (T, Hq, D) is written if given; `num_splits` (a power of two) overrides
-    the decode split count.
+    the decode split count and `tiles` the launch shape (benchmarks/bench_attention.py
+    sweeps both).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -232,9 +234,9 @@ def paged_attention(
     num_seqs, table_width = metadata.block_tables.shape
     assert metadata.block_tables.stride(1) == 1, "block table rows must be contiguous"
     if metadata.is_prefill:
-        tiles, splits, max_q_len = PREFILL_TILES, 1, metadata.max_seqlen_q
+        tiles, splits, max_q_len = tiles or PREFILL_TILES, 1, metadata.max_seqlen_q
     else:
-        tiles, max_q_len = DECODE_TILES, 1
+        tiles, max_q_len = tiles or DECODE_TILES, 1
         splits = num_splits or decode_splits(
             num_seqs, num_kv_heads, table_width * block_size, query.device
         )

@@ -1,0 +1,112 @@
+"""Decode paged attention: how fast it reads the KV cache, on the Qwen3-0.6B and the
+SmolLM2-135M head shapes, with the engine's launch choices and (--sweep) the best
+tiles and split counts found by trying many.
+
+    python benchmarks/bench_attention.py [--batch-sizes 1 256] [--context 544] [--sweep]
+
+Each sequence's context sits on randomly scattered 16-token blocks of one layer's
+cache (split layout, bf16); a case runs as a CUDA graph of 10 calls, replayed.
+`GB/s` is the K and V bytes a call must read over its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from bench_gemv import graph_time_us
+from extkv.attention.metadata import AttentionMetadata
+from extkv.kernels.paged_attention import DECODE_TILES, Tiles, decode_splits, paged_attention
+
+logger = logging.getLogger("bench_attention")
+
+HEADS = {"qwen3-0.6b": (16, 8, 128), "smollm2-135m": (9, 3, 64)}  # q heads, KV heads, dim
+BLOCK_SIZE = 16
+CALLS = 10
+
+
+def decode_case(batch: int, context: int, num_kv_heads: int, head_dim: int):
+    """A cache and the metadata of one decode step over it."""
+    pages = -(-context // BLOCK_SIZE)
+    num_blocks = batch * pages + 1
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * pages].view(batch, pages)
+    metadata = AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=torch.full((batch,), -1, device="cuda"),
+        cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
+        context_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
+        block_tables=tables.to(torch.int32),
+        max_seqlen_q=1,
+        max_context_len=context,
+    )
+    return k_cache, v_cache, metadata
+
+
+def bench_case(name: str, batch: int, context: int, sweep: bool) -> dict:
+    num_q_heads, num_kv_heads, head_dim = HEADS[name]
+    k_cache, v_cache, metadata = decode_case(batch, context, num_kv_heads, head_dim)
+    query = torch.randn(batch, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(query)
+    gb = 2 * batch * context * num_kv_heads * head_dim * 2 / 1e9
+
+    def time_us(splits: int | None = None, tiles: Tiles | None = None) -> float:
+        def call(_: int) -> None:
+            paged_attention(query, k_cache, v_cache, metadata, 0.1, out, splits, tiles)
+
+        return graph_time_us(call, CALLS)
+
+    width = metadata.block_tables.shape[1] * BLOCK_SIZE
+    splits = decode_splits(batch, num_kv_heads, width, query.device)
+    us = time_us()
+    row = {"case": f"{name} b{batch}", "default": {"us": us, "GB/s": gb / us * 1e6}}
+    row["default"]["config"] = f"{DECODE_TILES}, splits={splits}"
+    if sweep:
+        timings = []
+        for block_n, num_warps, num_stages, splits in itertools.product(
+            (64, 128), (4, 8), (2, 3), (1, 2, 4, 8)
+        ):
+            tiles = Tiles(DECODE_TILES.block_m, block_n, num_warps, num_stages)
+            try:
+                timings.append((time_us(splits, tiles), f"{tiles}, splits={splits}"))
+            except OutOfResources:
+                continue
+        timings.sort()
+        row["top"] = [(round(t, 2), round(gb / t * 1e6), c) for t, c in timings[:5]]
+    logger.info("%s", row)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--context", type=int, default=544, help="tokens per sequence")
+    parser.add_argument("--sweep", action="store_true", help="also try many tiles and splits")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = [
+        bench_case(name, batch, args.context, args.sweep)
+        for batch in args.batch_sizes
+        for name in HEADS
+    ]
+    print(f"== attention: decode, {args.context} tokens per sequence, us per call (GB/s)")
+    for r in rows:
+        d = r["default"]
+        print(f"{r['case']:<18} {d['us']:7.2f} ({d['GB/s']:5.0f})  {d['config']}")
+        for us, gbs, config in r.get("top", []):
+            print(f"{'':18} {us:7.2f} ({gbs:5.0f})  {config}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
