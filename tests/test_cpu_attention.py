@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.attention.reference import causal_attention
+from extkv.attention.reference import causal_attention, varlen_attention_reference
 from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 SCALE = 0.125
@@ -60,6 +60,18 @@ def test_a_whole_prompt_is_transformers_call() -> None:
         *(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=SCALE, enable_gqa=True
     )
     assert torch.equal(causal_attention(q, k, v, SCALE), expected[0].transpose(0, 1))
+
+
+def test_packed_prompts_of_equal_lengths_go_together() -> None:
+    """The profiling run's packed batch, sequences of one length in one batched call: every
+    sequence equals its own full-mask attention."""
+    lengths = [8, 8, 5, 8, 0, 5, 1, 8]
+    q, k, v = qkv(sum(lengths), sum(lengths))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = varlen_attention_reference(q, k, v, cu, SCALE)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        expected = full_mask_attention(q[start:end], k[start:end], v[start:end])
+        torch.testing.assert_close(out[start:end].double(), expected, atol=2e-6, rtol=0)
 
 
 def test_chunks_bound_every_mask(monkeypatch: pytest.MonkeyPatch) -> None:
