@@ -156,10 +156,17 @@ def test_bad_async_scheduling(qwen3: Path, kwargs: dict, match: str) -> None:
 
 def test_async_scheduling_flag(capsys: pytest.CaptureFixture) -> None:
     parser = argparse.ArgumentParser()
-    add_engine_args(parser, with_model=False)
+    add_engine_args(parser, model=None)  # no --model needed here
     assert parser.parse_args([]).async_scheduling is None
     assert parser.parse_args(["--async-scheduling", "false"]).async_scheduling is False
     assert parser.parse_args(["--async-scheduling", "On"]).async_scheduling is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--async-scheduling", "maybe"])
     assert "--async-scheduling must be True, False or None; got 'maybe'" in capsys.readouterr().err
+
+
+def test_a_default_for_no_option_is_refused() -> None:
+    """A command's default for an option that does not exist (a misspelling, an old
+    name) fails at once instead of leaving the declared default in place."""
+    with pytest.raises(ValueError, match=r"does not have: \['with_model'\]"):
+        add_engine_args(argparse.ArgumentParser(), with_model=False)

@@ -330,6 +330,9 @@ def add_options(
     """A flag for every declared option of `cls` but `skip`, its default shown in the help;
     `defaults` replaces some defaults on this command line only."""
     defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in declared(cls)}
+    if unknown:  # a misspelt default would silently keep the declared one
+        raise ValueError(f"defaults for options {cls.__name__} does not have: {sorted(unknown)}")
     for f in declared(cls):
         meta = f.metadata
         if f.name in skip or not meta["cli"]:
