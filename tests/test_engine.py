@@ -362,6 +362,10 @@ def test_text_prompts_need_a_tokenizer(llama: Path) -> None:
     llm = LLM(llama, **SMALL)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["hello"], use_tqdm=False)
+    stop = SamplingParams(stop="x")
+    with pytest.raises(ValueError, match=r"stop strings need a tokenizer.*use stop_token_ids"):
+        llm.generate(prompt_token_ids=[[1, 2]], sampling_params=stop, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_static_decode_path_equals_eager(qwen3: Path) -> None:

@@ -56,10 +56,16 @@ def reference(smollm2_gguf: Path) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
-def gguf_outputs(smollm2_gguf: Path) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy tokens) of every question, chatted through `LLM(gguf)`."""
+def smollm2_llm(smollm2_gguf: Path) -> LLM:
+    """`LLM(gguf)`, loaded once for every test of the real model."""
     with closing(LLM(str(smollm2_gguf), **SMOLLM2)) as llm:
-        outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
+        yield llm
+
+
+@pytest.fixture(scope="session")
+def gguf_outputs(smollm2_llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy tokens) of every question, chatted through `LLM(gguf)`."""
+    outputs = smollm2_llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], GREEDY)
     return [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs]
 
 
@@ -97,6 +103,52 @@ def test_gguf_equals_its_folder(
             prompt_token_ids=[p for p, _ in gguf_outputs], sampling_params=GREEDY
         )
     assert [o.outputs[0].token_ids for o in outputs] == [t for _, t in gguf_outputs]
+
+
+def assert_logprobs_match(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
+    """One position's logprobs: `token` first, then transformers' top k, to 1e-4."""
+    assert next(iter(entry)) == token
+    assert set(entry) == {token, *row.topk(k).indices.tolist()}
+    for t, logprob in entry.items():
+        assert logprob.logprob == pytest.approx(row[t].item(), abs=1e-4)
+
+
+@torch.inference_mode()
+def test_gguf_logprobs_match_transformers_log_softmax(
+    smollm2_llm: LLM, reference: transformers.PreTrainedModel, gguf_outputs: list
+) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
+    prompts = [p for p, _ in gguf_outputs]
+    outputs = smollm2_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for (prompt, tokens), out in zip(gguf_outputs, outputs, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens
+        ref = reference(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(dim=-1)
+        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs, strict=True)):
+            assert_logprobs_match(entry, token, ref[len(prompt) - 1 + i], 5)
+            assert entry[token].rank == 1
+        assert out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            assert_logprobs_match(out.prompt_logprobs[j], prompt[j], ref[j - 1], 5)
+
+
+@torch.inference_mode()
+def test_gguf_repetition_penalty_matches_transformers(
+    smollm2_llm: LLM, reference: transformers.PreTrainedModel, gguf_outputs: list
+) -> None:
+    steps = 16
+    params = SamplingParams(temperature=0.0, max_tokens=steps, repetition_penalty=1.5)
+    prompts = [p for p, _ in gguf_outputs]
+    outputs = smollm2_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    changed = False
+    for (prompt, plain), out in zip(gguf_outputs, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        ref = reference.generate(ids, max_new_tokens=steps, do_sample=False, repetition_penalty=1.5)
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+        changed |= out.outputs[0].token_ids[: len(plain)] != plain
+    assert changed  # the penalty changed some answer
 
 
 def test_gguf_needs_the_gguf_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

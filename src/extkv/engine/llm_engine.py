@@ -26,10 +26,11 @@ from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
 from extkv.engine.errors import EngineDeadError, is_fatal
 from extkv.engine.model_runner import SampledTokens
-from extkv.engine.outputs import CompletionOutput, RequestOutput
+from extkv.engine.outputs import RequestOutput
+from extkv.engine.request_state import RequestState, completion_ids, completion_params
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
-from extkv.engine.sequence import Sequence
+from extkv.engine.sequence import Sequence, SequenceStatus
 from extkv.engine.startup import MemoryReport, start_rank
 from extkv.engine.stats import EngineStats
 from extkv.engine.workers import start_workers
@@ -81,7 +82,8 @@ class LLMEngine:
             eos_token_ids=frozenset(facts.eos_token_ids),
         )
         self.tokenizer = _load_tokenizer(config.model)
-        self._requests: dict[str, tuple[Sequence, str | None]] = {}
+        self._requests: dict[str, RequestState] = {}  # unfinished, by request id
+        self._states: dict[str, RequestState] = {}  # the same, by each sequence's id
         self._ids = itertools.count()
         self._in_flight: SampledTokens | None = None  # launched, tokens not read yet
         self._closed = False
@@ -141,23 +143,49 @@ class LLMEngine:
                 f"prompt_token_ids must be ints in [0, {self.vocab_size}) (the vocabulary); "
                 f"got {bad[:5]}"
             )
+        outside = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary); "
+                f"got {outside[:5]}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop strings need a tokenizer, and {self.config.model} has none; "
+                "use stop_token_ids instead"
+            )
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves "
                 "no room to generate"
             )
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
+        seq_ids = completion_ids(request_id, params.n)
+        if request_id in self._requests or any(i in self._states for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params)
-        self._requests[request_id] = (seq, prompt)
-        self.scheduler.add(seq)
+        seqs: list[Sequence] = []
+        for index, seq_id in enumerate(seq_ids):
+            leader = seqs[0] if seqs else None  # later completions share its prompt's blocks
+            seqs.append(Sequence(seq_id, ids, completion_params(params, index), leader))
+        state = RequestState(request_id, prompt, seqs, params, self.tokenizer)
+        self._requests[request_id] = state
+        for seq in seqs:
+            self._states[seq.request_id] = state
+            self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its blocks (e.g. its client went away)."""
-        if self._requests.pop(request_id, None) is not None:
-            self.scheduler.abort(request_id)
+        """Stop a request (every completion) and free its blocks (e.g. its client went away)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            for c in state.completions:
+                self.scheduler.abort(c.seq.request_id)
+            self._forget(state)
+
+    def _forget(self, state: RequestState) -> None:
+        del self._requests[state.request_id]
+        for c in state.completions:
+            del self._states[c.seq.request_id]
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has work left: a request waiting or running, or a launched step's
@@ -193,7 +221,7 @@ class LLMEngine:
             except Exception as e:
                 if is_fatal(e):
                     raise
-                failed = self._fail([self._requests[r.request_id][0] for r in plan.requests], e)
+                failed = self._fail([self._states[r.request_id] for r in plan.requests], e)
             else:
                 self.scheduler.launched(plan)
         if self.config.async_scheduling:
@@ -201,37 +229,72 @@ class LLMEngine:
         if launched is None:
             return failed
         tokens = launched.get()
-        # Requests finished or aborted since launch take no token (update skips them).
-        advanced = [self._requests[i][0] for i in launched.request_ids if i in self._requests]
-        finished = set(self.scheduler.update(launched.request_ids, tokens))
-        if finished_only:
-            advanced = [seq for seq in advanced if seq in finished]
+        # Sequences finished or aborted since launch take no token (update skips them);
+        # the others, each with its row among the step's logprobs (None: none asked).
+        logprob_rows = {launched.request_ids[row]: i for i, row in enumerate(launched.logprob_rows)}
+        took = {
+            seq_id: logprob_rows.get(seq_id)
+            for seq_id in launched.request_ids
+            if seq_id in self._states
+            and self._states[seq_id].by_id[seq_id].seq.status != SequenceStatus.FINISHED
+        }
+        self.scheduler.update(launched.request_ids, tokens)
+        first = 0  # prompt logprobs, of chunks that sample nothing too
+        for seq_id, position, count in launched.prompt_spans:
+            if seq_id in self._states:
+                self._states[seq_id].add_prompt_logprobs(
+                    launched.prompt_logprobs, first, position, count
+                )
+            first += count
+        advanced: dict[str, RequestState] = {}  # in order, once each
+        for seq_id in took:
+            advanced.setdefault(self._states[seq_id].request_id, self._states[seq_id])
         outputs = []
-        for seq in advanced:
+        for state in advanced.values():
             try:
-                outputs.append(self._output(seq, seq in finished))
+                self._took_tokens(state, launched, took)
+                if state.finished or not finished_only:
+                    outputs.append(state.output())
             except Exception as e:  # e.g. detokenizing: this request's alone
-                failed += self._fail([seq], e)
-        for seq in finished:
-            self._requests.pop(seq.request_id, None)
+                failed += self._fail([state], e)
+                continue
+            if state.finished:
+                self._forget(state)
         return outputs + failed
 
-    def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
-        """End `seqs` with `error` (their blocks freed); their final outputs."""
+    def _took_tokens(
+        self, state: RequestState, launched: SampledTokens, took: dict[str, int | None]
+    ) -> None:
+        """Hand `state` what the step gave its completions (tokens, logprobs); end the
+        ones a stop string ended."""
+        for c in state.completions:
+            seq_id = c.seq.request_id
+            if seq_id not in took:
+                continue  # no token for it in this step
+            if took[seq_id] is not None:
+                state.add_logprobs(c, launched.logprobs, took[seq_id])
+            if state.took_token(c) and c.seq.status != SequenceStatus.FINISHED:
+                self.scheduler.abort(c.seq.request_id, reason="stop")
+
+    def _fail(self, states: list[RequestState], error: Exception) -> list[RequestOutput]:
+        """End the requests of `states` with `error` (their blocks freed); their final
+        outputs."""
+        states = list({id(s): s for s in states}.values())  # a request of n > 1 once
         logger.error(
             "A step failed for request(s) %s; failing them and carrying on: %r",
-            [seq.request_id for seq in seqs],
+            [s.request_id for s in states],
             error,
         )
         outputs = []
-        for seq in seqs:
-            if seq.request_id not in self._requests:
+        for state in states:
+            if state.request_id not in self._requests:
                 continue  # already ended
-            self.scheduler.abort(seq.request_id, reason="error")
-            output = self._output(seq, finished=True, decode=False)
+            for c in state.completions:
+                self.scheduler.abort(c.seq.request_id, reason="error")
+            output = state.output(decode=False)
             output.error = f"{type(error).__name__}: {error}"
             outputs.append(output)
-            del self._requests[seq.request_id]
+            self._forget(state)
         return outputs
 
     def _check_usable(self) -> None:
@@ -255,12 +318,3 @@ class LLMEngine:
         self.kv_cache.free()
         if self.config.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _output(self, seq: Sequence, finished: bool, decode: bool = True) -> RequestOutput:
-        tokens = list(seq.output_token_ids)
-        text = None
-        if finished and decode and self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        completion = CompletionOutput(0, tokens, text, seq.finish_reason)
-        prompt = self._requests[seq.request_id][1]
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion], finished)

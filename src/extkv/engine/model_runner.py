@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
 from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
-from extkv.engine.sampler import Sampler
+from extkv.engine.sampler import Sampler, TopLogprobs, top_logprobs
+from extkv.engine.sampling_batch import SamplingBatch
 from extkv.engine.step_inputs import (
     InputBuffers,
     StepInputs,
@@ -63,17 +64,31 @@ def make_kv_cache_plan(model: nn.Module, config: EngineConfig) -> KVCachePlan:
 @dataclass
 class SampledTokens:
     """A launched step's sampled tokens, one per request of `request_ids`, on their way
-    to the host; `get` waits for them."""
+    to the host (`get` waits for them); with the logprobs of the rows `logprob_rows` and
+    the prompt logprobs of `prompt_spans` (request id, first position, count), in order."""
 
     request_ids: list[str]
     host: torch.Tensor  # int64, written by a copy behind the step
     ready: torch.cuda.Event | None  # None: already there (CPU)
+    logprobs: TopLogprobs | None = None
+    logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: TopLogprobs | None = None
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
 
     def get(self) -> list[int]:
-        """The tokens, waiting for their copy to the host to land."""
+        """The tokens, waiting for their copy (and the logprobs') to the host to land."""
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
+
+
+@dataclass
+class StepLogits:
+    """What a step's forward pass gives the sampler: None where the step has no such rows."""
+
+    logits: torch.Tensor | None = None  # (sampled rows, vocab)
+    greedy: torch.Tensor | None = None  # their argmax, when the decode graph computed it
+    prompt: torch.Tensor | None = None  # (prompt-logprob rows, vocab)
 
 
 class ModelRunner:
@@ -250,15 +265,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Run one step on this rank: (fp32 logits, greedy tokens if already known) of the
-        rows it samples, None when it samples none. Every rank runs every step."""
+    def forward(self, inputs: StepInputs) -> StepLogits:
+        """Run one step on this rank: the fp32 logits of the rows it samples (and the greedy
+        tokens if already known) and of its prompt-logprob rows. Every rank runs every step."""
         n = inputs.num_seqs
         if self._uses_graph(inputs):
             bs = self.graphs.padded_size(n)
             self.buffers.stage(inputs, self._decode_shape(bs))
             self.graphs.run(bs)
-            return self.logits[:n], self.greedy_tokens[:n]
+            return StepLogits(self.logits[:n], self.greedy_tokens[:n])
         shape = StepShape(inputs.num_tokens, n, inputs.block_tables.shape[1])
         self.buffers.stage(inputs, shape)
         views = self.buffers.views(shape, len(inputs.sample_rows))
@@ -268,19 +283,25 @@ class ModelRunner:
             int(inputs.seqs[0].max()),
         )
         hidden = self._hidden(context, views)
+        result = StepLogits()
+        if len(inputs.prompt_rows):
+            rows = torch.from_numpy(inputs.prompt_rows).to(self.device)
+            result.prompt = self.model.compute_logits(hidden[rows])
         if not len(inputs.sample_rows):
-            return None
-        if not inputs.is_prefill:  # a decode samples every row
-            return self.model.compute_logits(hidden), None
-        return self.model.compute_logits(hidden[views.sample_rows]), None
+            return result
+        if inputs.is_prefill:
+            hidden = hidden[views.sample_rows]  # a decode samples every row
+        result.logits = self.model.compute_logits(hidden)
+        return result
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens:
         """Launch one step (on every rank) and its sampling; return the tokens on their
-        way to the host, one for every request that produced one."""
+        way to the host, one for every request that produced one, and the logprobs asked."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
-        inputs = build_step_inputs(plan, self.kv_plan.needs, self._last_rows)
+        last_rows = self._last_rows
+        inputs = build_step_inputs(plan, self.kv_plan.needs, last_rows)
         if not self.buffers.fits(StepShape(inputs.num_tokens, inputs.num_seqs, 0)):
             raise ValueError(
                 f"a step of {inputs.num_tokens} tokens over {inputs.num_seqs} sequences exceeds "
@@ -293,19 +314,38 @@ class ModelRunner:
         host = self._host_tokens[self.num_steps % 2][: len(sampled)]
         self.num_steps += 1
         self._last_rows = {r.request_id: row for row, r in enumerate(sampled)}
-        ids = [r.request_id for r in sampled]
-        if result is None:
-            return SampledTokens([], host, None)
-        logits, greedy = result
-        params = [r.sampling for r in sampled]
-        tokens = self.sampler(logits, params, [self._generator(r) for r in sampled], greedy)
-        self.last_tokens[: len(tokens)] = tokens
-        host.copy_(tokens, non_blocking=True)
-        ready = None
+        out = SampledTokens([r.request_id for r in sampled], host, None)
+        if result.prompt is not None:
+            out.prompt_spans, out.prompt_logprobs = self._prompt_logprobs(plan, result.prompt)
+        if result.logits is not None:
+            generators = [self._generator(r) for r in sampled]
+            batch = SamplingBatch.build(
+                sampled, generators, self.vocab_size, self.last_tokens, last_rows
+            )
+            sample = self.sampler(result.logits, batch, result.greedy)
+            self.last_tokens[: len(sampled)] = sample.tokens
+            host.copy_(sample.tokens, non_blocking=True)
+            if sample.logprobs is not None:
+                out.logprobs, out.logprob_rows = sample.logprobs.to_host(), batch.logprob_rows
         if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # not the current device's
-        return SampledTokens(ids, host, ready)
+            out.ready = torch.cuda.Event()
+            out.ready.record(torch.cuda.current_stream(self.device))  # not the current device's
+        return out
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, logits: torch.Tensor
+    ) -> tuple[list[tuple[str, int, int]], TopLogprobs]:
+        """The prompt logprobs of a step's prompt rows (in `build_step_inputs`' order), with
+        (request id, first prompt position, count) for each request they belong to."""
+        spans, targets, ks = [], [], []
+        for r in plan.requests:
+            positions = r.prompt_logprob_positions
+            if positions:
+                spans.append((r.request_id, positions.start + 1, len(positions)))
+                targets += r.history[positions.start + 1 : positions.stop + 1]
+                ks.append(r.prompt_logprobs)
+        chosen = torch.tensor(targets, device=self.device)
+        return spans, top_logprobs(logits, chosen, max(ks)).to_host()
 
     def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
         """A seeded request's own generator, made when it first samples: its tokens then

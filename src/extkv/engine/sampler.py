@@ -1,15 +1,20 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p.
+"""Turns logits into tokens: logit bias, min_tokens masks and penalties, then greedy,
+temperature, min-p, top-k, top-p; and the logprobs a request asks for.
 
 Sampling draws by the exponential race (argmax of p / Exp(1)), which needs one
 noise row per sequence; a seeded request draws its row from its own generator,
-so its tokens do not depend on what else is in the batch.
+so its tokens do not depend on what else is in the batch. Every step works on
+the whole batch at once: the rows that need an adjustment or logprobs are
+gathered into one tensor each, never looped over on the host.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.sampling_batch import LogitAdjustments, SamplingBatch
 
 
 def _truncate(
@@ -31,8 +36,91 @@ def _truncate(
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    is_output: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised logits of rows (R, V) given each row's tokens `history` (R, L), padded
+    with V. Repetition (transformers' and vLLM's rule) covers prompt and output tokens;
+    presence and frequency (OpenAI's) only the output ones (`is_output`)."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab + 1, device=logits.device)
+    counts.scatter_add_(1, history, is_output.to(counts.dtype))
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, history, True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    penalty = repetition[:, None]
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, scaled, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def _adjust(logits: torch.Tensor, adjust: LogitAdjustments) -> torch.Tensor:
+    """A copy of `logits` with the batch's biases, masks and penalties applied."""
+    logits = logits.clone()
+    if adjust.bias is not None:
+        rows, cols, values = adjust.bias
+        logits.index_put_((rows, cols), values, accumulate=True)
+    if adjust.banned is not None:
+        logits.index_put_(adjust.banned, torch.tensor(float("-inf"), device=logits.device))
+    if adjust.penalty_rows is not None:
+        rows = adjust.penalty_rows
+        logits[rows] = apply_penalties(
+            logits[rows],
+            adjust.history,
+            adjust.is_output,
+            adjust.presence,
+            adjust.frequency,
+            adjust.repetition,
+        )
+    return logits
+
+
+@dataclass
+class TopLogprobs:
+    """Per row: column 0 the chosen token, columns 1..k the k most likely; logprobs and
+    1-based ranks among the vocabulary (ties rank as the best of them), as vLLM gives."""
+
+    token_ids: torch.Tensor  # int64 (R, k + 1)
+    logprobs: torch.Tensor  # float32 (R, k + 1)
+    ranks: torch.Tensor  # int64 (R, k + 1)
+
+    def to_host(self) -> TopLogprobs:
+        """A copy on the host, written behind the step (the caller waits for the step)."""
+        return TopLogprobs(
+            *(t.to("cpu", non_blocking=True) for t in (self.token_ids, self.logprobs, self.ranks))
+        )
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TopLogprobs:
+    """The raw log-softmax of `logits` (R, V) at `chosen` (R,) and at the top `k` tokens."""
+    logprobs = logits.log_softmax(dim=-1)
+    top, top_ids = logprobs.topk(k, dim=-1)
+    chosen_logprob = logprobs.gather(1, chosen[:, None])
+    chosen_rank = (logprobs >= chosen_logprob).sum(dim=-1, keepdim=True)
+    top_ranks = torch.arange(1, k + 1, device=logits.device).expand(len(logits), k)
+    return TopLogprobs(
+        torch.cat([chosen[:, None], top_ids], dim=1),
+        torch.cat([chosen_logprob, top], dim=1),
+        torch.cat([chosen_rank, top_ranks], dim=1),
+    )
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row, and the logprobs of the rows of `batch.logprob_rows`."""
+
+    tokens: torch.Tensor  # int64 (num_rows,)
+    logprobs: TopLogprobs | None
+
+
 class Sampler:
-    """Picks each sequence's next token on the device; greedy rows skip the sampling work."""
+    """Picks each sequence's next token on the device; greedy rows with nothing to adjust
+    take the argmax the caller may already have (the decode graph computes it)."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed of their own
@@ -40,14 +128,17 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        batch: SamplingBatch,
         greedy_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> SamplerOutput:
         """logits: float32 (num_seqs, vocab) -> one int64 token per row, on the device
-        (the host reads them later). `greedy_tokens`, the argmax when the caller already
-        has it (the decode graph computes it)."""
+        (the host reads them later)."""
+        raw = logits
+        if batch.adjust is not None:
+            logits = _adjust(logits, batch.adjust)
+            greedy_tokens = None
         tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
+        params = batch.params
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             tokens = tokens.clone()
@@ -64,10 +155,14 @@ class Sampler:
             noise = torch.stack(
                 [
                     torch.empty_like(probs[0]).exponential_(
-                        generator=generators[i] or self.generator
+                        generator=batch.generators[i] or self.generator
                     )
                     for i in sampled_rows
                 ]
             )
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+        logprobs = None
+        if batch.logprob_rows:
+            rows = torch.tensor(batch.logprob_rows, device=logits.device)
+            logprobs = top_logprobs(raw[rows], tokens[rows], max(batch.logprob_k))
+        return SamplerOutput(tokens, logprobs)

@@ -100,6 +100,13 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         known = seq.token_ids[start:end]
+        params = seq.params
+        samples = end == len(seq)
+        wants_history = params.has_penalties or params.prompt_logprobs is not None
+        banned: tuple[int, ...] = ()
+        if samples and len(seq) - seq.num_prompt_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            banned = (*eos, *params.stop_token_ids)
         return ScheduledRequest(
             request_id=seq.request_id,
             num_computed_tokens=start,
@@ -107,12 +114,19 @@ class Scheduler:
             token_ids=known,
             pending=len(known) < num_new_tokens,
             block_ids=self._block_ids(seq),
-            sampling=seq.params if end == len(seq) else None,
+            sampling=params if samples else None,
+            history=seq.token_ids if wants_history else [],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            banned_token_ids=banned,
+            prompt_logprobs=params.prompt_logprobs,
         )
 
     def _scheduled_decode(self, seq: Sequence) -> ScheduledRequest:
         """`_scheduled(seq, 1)` for a decode, which always samples: the hot path at large
         batches (one per running request per step), so it computes only what it must."""
+        params = seq.params
+        if params.min_tokens or params.has_penalties:
+            return self._scheduled(seq, 1)  # needs its tokens or its banned ones
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
@@ -145,14 +159,18 @@ class Scheduler:
             counts.append(n)
             budget -= n
         blocks = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = blocks.cached_prefix(seq)
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._waits_for_leader(seq):
+                continue
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
             n = min(len(seq) - computed, budget)
             if not blocks.can_hold(seq, computed + n, reusing=cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if cached:
                 blocks.reuse(seq, cached)
             blocks.allocate(seq, computed + n)
@@ -163,6 +181,17 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return (seqs, counts, True) if seqs else None
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """Whether `seq`, a later completion of a request with n > 1, waits for the first
+        one's prompt to be computed, so that prefix caching hands it the prompt's blocks."""
+        leader = seq.leader
+        return (
+            leader is not None
+            and self.block_manager.prefix_caching
+            and leader.status != SequenceStatus.FINISHED
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+        )
 
     def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
@@ -249,9 +278,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"  # no stop_reason for EOS, as vLLM
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         return "length" if self._at_length_limit(seq, len(seq.token_ids)) else None
 

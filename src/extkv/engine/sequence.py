@@ -29,6 +29,7 @@ class Sequence:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        leader: Sequence | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -42,6 +43,10 @@ class Sequence:
         self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
+        # Of a request with n > 1: its first completion, whose prompt this one waits for
+        # (then it takes the prompt's blocks from the prefix cache); None for the first.
+        self.leader = leader
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending

@@ -57,6 +57,7 @@ class StepInputs:
     seqs: np.ndarray  # (2 + num_state_groups, num_seqs)
     block_tables: np.ndarray  # (num_seqs, width), 0-padded
     sample_rows: np.ndarray  # token rows whose logits are sampled
+    prompt_rows: np.ndarray  # token rows whose logits give prompt logprobs (often none)
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +115,11 @@ def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, in
     for g in range(num_groups):
         seqs[2 + g] = [r.block_ids[first_state + g][0] for r in requests]
     sampled = np.fromiter((r.sampling is not None for r in requests), bool, num_seqs)
+    prompt_rows = [  # only a prefill computes prompt positions
+        int(cu_seqlens[i]) + p - r.num_computed_tokens
+        for i, r in enumerate(requests if plan.is_prefill else ())
+        for p in r.prompt_logprob_positions
+    ]
     return StepInputs(
         is_prefill=plan.is_prefill,
         tokens=tokens.astype(np.int32),
@@ -121,6 +127,7 @@ def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, in
         seqs=seqs.astype(np.int32),
         block_tables=tables.astype(np.int32),
         sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
+        prompt_rows=np.array(prompt_rows, dtype=np.int64),
     )
 
 

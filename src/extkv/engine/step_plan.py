@@ -31,11 +31,26 @@ class ScheduledRequest:
     pending: bool
     block_ids: tuple[list[int], ...]  # per KV cache group (see KVCachePlan.groups)
     sampling: SamplingParams | None  # set when this step samples the request's next token
+    # The request's tokens the host knows (prompt first; a reference, read while the step
+    # launches), when penalties or prompt logprobs need them; else empty.
+    history: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    banned_token_ids: tuple[int, ...] = ()  # masked this step (EOS and stops before min_tokens)
+    prompt_logprobs: int | None = None  # top-k logprobs of the prompt positions this step computes
 
     @property
     def context_len(self) -> int:
         """Tokens in the cache once this step has run."""
         return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The positions whose logits this step computes and whose next token is the
+        prompt's: their logprobs are the prompt logprobs of positions + 1."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        end = min(self.context_len, self.num_prompt_tokens - 1)
+        return range(self.num_computed_tokens, max(end, self.num_computed_tokens))
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from extkv.engine.detokenizer import TextStream
 from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.sampling_params import SamplingParams
-from extkv.serving.detokenizer import TextStream
 from extkv.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

@@ -15,26 +15,38 @@ class TextStream:
     can no longer begin a match, so streamed text never shows part of a stop string.
     """
 
-    def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        stop: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer  # None: the model has no tokenizer, so no text
         self.stop = stop
+        self.include_stop = include_stop  # keep the stop string that ended the text
+        self.skip_special_tokens = skip_special_tokens
         self.holdback = max(map(len, stop), default=1) - 1
         self.text = ""  # decoded so far, up to a stop string if one was hit
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that ended the text
         self._token_ids: list[int] = []
         self._sent = 0  # characters of `text` already handed out
         self._prefix = 0  # window start: the context tokens
         self._read = 0  # tokens already turned into text
 
-    def add(self, token_ids: list[int], finished: bool) -> str:
-        """Take a step's new tokens; return the text that is now safe to send."""
+    def add(self, token_ids: list[int], finished: bool, search: bool = True) -> str:
+        """Take a step's new tokens; return the text that is now safe to send. `search`
+        off: the new text is not searched for stop strings (before min_tokens)."""
         self._token_ids += token_ids
         start = max(len(self.text) - self.holdback, 0)  # where a new match can begin
         self.text += self._decode_new(flush=finished)
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits and search:
+            at, stop = min(hits)
+            self.text = self.text[: at + len(stop) if self.include_stop else at]
             self.stopped = True
+            self.stop_reason = stop
         end = len(self.text)
         if not (finished or self.stopped):
             end = max(end - self.holdback, self._sent)
@@ -54,4 +66,4 @@ class TextStream:
         return window[len(context) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
