@@ -214,7 +214,7 @@ def test_chunks_wait_for_room_instead_of_starving_decodes(
 
 def test_eos_stops_and_text_is_decoded(qwen3: Path, tmp_path: Path) -> None:
     """Make the 4th greedy token of a prompt the checkpoint's EOS: generation stops there
-    unless ignore_eos; stop_token_ids do the same per request."""
+    unless ignore_eos, its text left out; stop_token_ids do the same per request."""
     prompt = PROMPTS[0]
     free_run = extkv_tokens(LLM(qwen3, **SMALL), [prompt], NO_EOS)[0]
     eos = free_run[3]
@@ -232,7 +232,13 @@ def test_eos_stops_and_text_is_decoded(qwen3: Path, tmp_path: Path) -> None:
         use_tqdm=False,
     )[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (free_run[:4], "stop")
-    assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+    # As vLLM's: the stop token's text stays out unless include_stop_str_in_output.
+    decode = llm.get_tokenizer().decode
+    assert out.text == decode(out.token_ids[:-1], skip_special_tokens=True)
+    included = SamplingParams(temperature=0, max_tokens=24, include_stop_str_in_output=True)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=included, use_tqdm=False)
+    assert out[0].outputs[0].text == decode(free_run[:4], skip_special_tokens=True)
+    assert decode(free_run[:4]) != decode(free_run[:3])
     assert extkv_tokens(llm, [prompt], NO_EOS)[0] == free_run
     i = next(i for i in range(4, 24) if free_run[i] not in free_run[:i])
     by_request = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free_run[i]])

@@ -20,6 +20,8 @@ from extkv import LLM, SamplingParams
 from extkv.cli import main
 from extkv.engine.config import EngineConfig
 from extkv.serving import ServerSettings, build_app
+from extkv.serving.prompts import PromptEncoder
+from helpers import children
 from live_server import (
     CHAT_TEMPLATE_FILE,
     ENGINE,
@@ -258,6 +260,22 @@ def test_engine_failure_is_503_not_a_hang(checkpoints: tuple[Path, Path]) -> Non
         server.should_exit = True
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_closing_the_prompt_encoder_ends_and_reaps_its_processes(reference: LLM) -> None:
+    """An in-process server (as above) leaves no tokenizer process behind, not even a
+    zombie: close() ends the workers, busy or not, and waits for them."""
+
+    def spawned() -> set[int]:
+        return {pid for pid, cmdline in children().items() if b"spawn_main" in cmdline}
+
+    before = spawned()
+    encoder = PromptEncoder(reference.get_tokenizer(), MODEL, MAX_MODEL_LEN)
+    assert asyncio.run(encoder.encode("hello", "prompt"))
+    workers = spawned() - before
+    assert workers
+    encoder.close()
+    assert not workers & spawned()
 
 
 def _completion(**changes: object) -> dict[str, object]:

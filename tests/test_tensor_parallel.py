@@ -23,6 +23,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.engine.errors import EngineDeadError
 from extkv.engine.workers import WorkerError
+from helpers import children
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 120], [17] * 3, list(range(30, 71)), [125, 3]]  # < Bamba's 128
@@ -49,20 +50,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def children() -> dict[int, bytes]:
-    """This process's children (zombies included) and their command lines."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue  # gone meanwhile
-        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
-            found[int(entry)] = cmdline
-    return found
 
 
 def child_pids() -> set[int]:

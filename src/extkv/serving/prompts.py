@@ -122,10 +122,19 @@ class PromptEncoder:
             )
 
     def close(self) -> None:
-        """Stop the threads and worker processes without waiting, cancelling queued work."""
+        """Cancel queued work, stop the threads, and end and reap the worker processes
+        (a worker busy with a long prompt is not waited for; none is left behind)."""
         self._threads.shutdown(wait=False, cancel_futures=True)
-        if self._processes is not None:
-            self._processes.shutdown(wait=False, cancel_futures=True)
+        if self._processes is None:
+            return
+        # The executor's own Process objects: `terminate_workers()` is public only from
+        # Python 3.14, and shutdown(wait=False) alone leaves the workers unreaped.
+        workers = list((getattr(self._processes, "_processes", None) or {}).values())
+        self._processes.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.join(timeout=10)
 
     def _new_processes(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
