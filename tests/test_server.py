@@ -313,7 +313,7 @@ BAD_REQUESTS = [
     ("/v1/completions", _completion(n=0), 400, "n: Input should be greater than or equal to 1"),
     ("/v1/completions", _completion(n=2000), 400, "n: this request asks for 2000 choices"),
     ("/v1/completions", _completion(stream_options={}), 400, "allowed only with stream=true"),
-    ("/v1/completions", _completion(logprobs=5), 400, "logprobs: unknown field"),
+    ("/v1/completions", _completion(logprobz=5), 400, "logprobz: unknown field"),
     ("/v1/completions", _completion(stream="yes"), 400, "stream"),
     ("/v1/completions", _completion(stop=5), 400, "stop: must be"),
     ("/v1/completions", _completion(stop=[""]), 400, "stop: must be"),

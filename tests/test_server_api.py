@@ -1,7 +1,8 @@
 """The OpenAI fields and the extra endpoints of `extkv serve` as vLLM has them, each
 through the official openai client (or plain HTTP where the client has no method)
-against the live servers of conftest.py: n, lists of prompts, echo, stream_options,
-temperature null, /tokenize, /detokenize, /version."""
+against the live servers of conftest.py, and equal to what LLM.generate gives: n,
+lists of prompts, echo, logprobs, penalties, min_tokens, logit_bias, stop,
+stream_options, temperature null, /tokenize, /detokenize, /version."""
 
 from __future__ import annotations
 
@@ -18,28 +19,10 @@ TEXT = "Once upon a time"
 
 
 def generate(llm: LLM, prompt: str | list[int], **params: object) -> list:
-    """LLM.generate's completions of one prompt."""
+    """LLM.generate's completions of one prompt (n of them)."""
     given = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
     [output] = llm.generate([given], SamplingParams(**params), use_tqdm=False)
     return output.outputs
-
-
-def test_seeded_n_gives_n_choices_as_generate(server: Server, reference: LLM) -> None:
-    sampling = dict(temperature=1.0, seed=11, max_tokens=12)
-    got = server.client().completions.create(
-        model=MODEL, prompt=PROMPT, n=3, **sampling, extra_body=NO_EOS
-    )
-    assert [c.index for c in got.choices] == [0, 1, 2]
-    # Choice j is seeded with seed + j, as vLLM seeds a request's completions.
-    want = [
-        generate(reference, PROMPT, **{**sampling, "seed": 11 + j}, ignore_eos=True)[0]
-        for j in range(3)
-    ]
-    assert [c.token_ids for c in got.choices] == [w.token_ids for w in want]
-    assert [c.text for c in got.choices] == [w.text for w in want]
-    assert len({tuple(c.token_ids) for c in got.choices}) == 3  # sampled apart
-    assert got.usage.prompt_tokens == len(PROMPT)  # the prompt counts once
-    assert got.usage.completion_tokens == 36
 
 
 def test_list_of_prompts_numbers_choices_as_vllm(server: Server, reference: LLM) -> None:
@@ -224,3 +207,195 @@ def test_chat_template_file_is_checked_at_start(tmp_path) -> None:
     fine = tmp_path / "fine.jinja"
     fine.write_text(CHAT_TEMPLATE_FILE)
     assert ServerSettings(MODEL, chat_template=str(fine)).chat_template_text() == CHAT_TEMPLATE_FILE
+
+
+def test_seeded_n_equals_generate(server: Server, reference: LLM) -> None:
+    sampling = dict(temperature=1.0, seed=11, max_tokens=12)
+    want = generate(reference, PROMPT, n=3, **sampling, ignore_eos=True)
+    got = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, n=3, **sampling, extra_body=NO_EOS
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [(c.token_ids, c.text) for c in got.choices] == [(w.token_ids, w.text) for w in want]
+    assert len({tuple(c.token_ids) for c in got.choices}) == 3  # sampled apart
+    assert got.usage.prompt_tokens == len(PROMPT)  # the prompt counts once
+    assert got.usage.completion_tokens == 36
+
+
+def ranked(candidates: dict) -> list:
+    return sorted(candidates.values(), key=lambda lp: lp.rank)
+
+
+def test_completion_logprobs_equal_generate(server: Server, reference: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=8)
+    [want] = generate(reference, PROMPT, **greedy, logprobs=3, ignore_eos=True)
+    chosen = [want.logprobs[i][t] for i, t in enumerate(want.token_ids)]
+    client = server.client()
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, **greedy, logprobs=3, extra_body=NO_EOS
+    ).choices[0]
+    logprobs = got.logprobs
+    assert got.token_ids == want.token_ids
+    assert logprobs.tokens == [lp.decoded_token for lp in chosen]
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in chosen], abs=1e-6)
+    # Keyed by text, as vLLM's: tokens of the same text (bytes of one character) share one.
+    assert logprobs.top_logprobs == [
+        {lp.decoded_token: pytest.approx(lp.logprob, abs=1e-6) for lp in ranked(position)}
+        for position in want.logprobs
+    ]
+    assert all(1 <= len(top) <= 4 for top in logprobs.top_logprobs)  # the top 3 and the chosen
+    lengths = [len(t) for t in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+
+    chunks = client.completions.create(
+        model=MODEL, prompt=PROMPT, **greedy, logprobs=3, stream=True, extra_body=NO_EOS
+    )
+    parts = [c.choices[0].logprobs for c in chunks]
+    assert [t for p in parts for t in p.tokens] == logprobs.tokens
+    assert [x for p in parts for x in p.token_logprobs] == logprobs.token_logprobs
+    assert [x for p in parts for x in p.text_offset] == logprobs.text_offset
+    assert (
+        client.completions.create(model=MODEL, prompt=PROMPT, **greedy).choices[0].logprobs is None
+    )
+
+
+def test_echo_with_logprobs_gives_the_prompts(server: Server, reference: LLM) -> None:
+    """As vLLM: the prompt's logprobs then the completion's, the first prompt token's None."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    [want] = reference.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    got = (
+        server.client()
+        .completions.create(
+            model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, logprobs=2, echo=True
+        )
+        .choices[0]
+    )
+    logprobs = got.logprobs
+    completion = want.outputs[0]
+    assert len(logprobs.tokens) == len(PROMPT) + len(completion.token_ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[0] == reference.get_tokenizer().decode(PROMPT[:1])
+    prompt = [want.prompt_logprobs[i][t].logprob for i, t in enumerate(PROMPT) if i]
+    output = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+    assert logprobs.token_logprobs[1:] == pytest.approx(prompt + output, abs=1e-6)
+    assert "".join(logprobs.tokens[len(PROMPT) :]) == completion.text
+    assert got.text == reference.get_tokenizer().decode(PROMPT) + completion.text
+
+
+def test_chat_logprobs_equal_llm_chat(server: Server, reference: LLM) -> None:
+    messages = [{"role": "user", "content": "Tell me about logprobs."}]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    [want] = reference.chat(messages, params, chat_template=CHAT_TEMPLATE_FILE, use_tqdm=False)
+    completion = want.outputs[0]
+    client = server.client()
+    body = dict(model=MODEL, messages=messages, temperature=0, max_tokens=6, extra_body=NO_EOS)
+    got = client.chat.completions.create(**body, logprobs=True, top_logprobs=2).choices[0]
+    content = got.logprobs.content
+    chosen = [completion.logprobs[i][t] for i, t in enumerate(completion.token_ids)]
+    assert [c.token for c in content] == [lp.decoded_token for lp in chosen]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in chosen], abs=1e-6)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    for c, position in zip(content, completion.logprobs, strict=True):
+        top = ranked(position)[:2]
+        assert [t.token for t in c.top_logprobs] == [lp.decoded_token for lp in top]
+        assert c.top_logprobs[0].token == c.token  # greedy: the chosen one is the likeliest
+    streamed = client.chat.completions.create(**body, logprobs=True, stream=True)
+    tokens = [t.token for chunk in streamed for t in chunk.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+    assert client.chat.completions.create(**body).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 1.5), ("frequency_penalty", 1.5), ("repetition_penalty", 1.8)],
+)
+def test_penalties_equal_generate(server: Server, reference: LLM, field: str, value: float) -> None:
+    greedy = dict(temperature=0, max_tokens=32, ignore_eos=True)
+    [plain] = generate(reference, PROMPT, **greedy)
+    [want] = generate(reference, PROMPT, **greedy, **{field: value})
+    assert want.token_ids != plain.token_ids  # the penalty changes this output
+    got = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=32,
+        extra_body={**NO_EOS, field: value},
+    )
+    assert got.choices[0].token_ids == want.token_ids
+
+
+def test_min_tokens_defers_the_stop(server: Server, reference: LLM) -> None:
+    greedy = dict(temperature=0, max_tokens=12)
+    [plain] = generate(reference, PROMPT, **greedy, ignore_eos=True)
+    stop = plain.token_ids[1]
+    client = server.client()
+    body = dict(model=MODEL, prompt=PROMPT, **greedy)
+    early = client.completions.create(**body, extra_body={"stop_token_ids": [stop], **NO_EOS})
+    assert early.choices[0].token_ids == plain.token_ids[:2]
+    assert early.choices[0].stop_reason == stop
+    [want] = generate(
+        reference, PROMPT, **greedy, stop_token_ids=[stop], min_tokens=8, ignore_eos=True
+    )
+    late = client.completions.create(
+        **body, extra_body={"stop_token_ids": [stop], "min_tokens": 8, **NO_EOS}
+    )
+    assert late.choices[0].token_ids == want.token_ids and len(want.token_ids) >= 8
+
+
+def test_logit_bias_with_string_keys(server: Server, reference: LLM) -> None:
+    client = server.client()
+    greedy = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, extra_body=NO_EOS)
+    forced = client.completions.create(**greedy, logit_bias={"300": 100})
+    assert forced.choices[0].token_ids == [300] * 5
+    [plain] = generate(reference, PROMPT, temperature=0, max_tokens=5, ignore_eos=True)
+    first = plain.token_ids[0]
+    banned = client.completions.create(**greedy, logit_bias={str(first): -100})
+    bias = {first: -100.0}
+    [want] = generate(
+        reference, PROMPT, temperature=0, max_tokens=5, logit_bias=bias, ignore_eos=True
+    )
+    assert banned.choices[0].token_ids == want.token_ids and first not in want.token_ids[:1]
+
+
+def test_stop_string_in_output_and_stop_reason(server: Server, reference: LLM) -> None:
+    [full] = generate(reference, PROMPT, temperature=0, max_tokens=40)
+    stop = full.text[12:15]
+    cut = full.text[: full.text.index(stop)]
+    client = server.client()
+    body = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=40, stop=[stop])
+    got = client.completions.create(**body).choices[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (cut, "stop", stop)
+    kept = client.completions.create(**body, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop
+    streamed = client.completions.create(
+        **body, stream=True, extra_body={"include_stop_str_in_output": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut + stop
+
+
+BAD_FIELDS = [
+    (dict(logprobs=21), "logprobs: Input should be less than or equal to 20"),
+    (dict(presence_penalty=2.5), "presence_penalty: Input should be less than or equal to 2"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty: Input should be greater than 0"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens must be at most max_tokens"),
+    (dict(logit_bias={"abc": 1}), "logit_bias: keys must be token ids"),
+    (dict(logit_bias={"1": "up"}), "logit_bias.1"),
+    (dict(logit_bias={"999999": 1}), "vocabulary"),
+]
+
+
+@pytest.mark.parametrize(("changes", "words"), BAD_FIELDS)
+def test_bad_sampling_fields(server: Server, changes: dict, words: str) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **changes}
+    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]["message"]
+
+
+def test_bad_chat_logprobs(server: Server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "top_logprobs: allowed only with logprobs=true" in response.json()["error"]["message"]

@@ -50,7 +50,9 @@ message = st.fixed_dictionaries(
 # Values per field: mostly plausible shapes with extreme values, sometimes anything.
 FIELDS = {
     "model": st.one_of(st.just(MODEL), texts),
-    "prompt": st.one_of(texts, token_ids, st.just([]), st.just([[1, 2]])),
+    "prompt": st.one_of(
+        texts, token_ids, st.just([]), st.just([[1, 2]]), st.lists(texts, max_size=3)
+    ),
     "messages": st.one_of(st.lists(message, max_size=3), st.just([])),
     "max_tokens": numbers,
     "max_completion_tokens": numbers,
@@ -60,12 +62,25 @@ FIELDS = {
     "seed": numbers,
     "stop": st.one_of(texts, st.lists(texts, max_size=3)),
     "stop_token_ids": token_ids,
-    "n": numbers,
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), anything),
     "user": texts,
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
-    "logprobs": numbers,
+    "logprobs": st.one_of(numbers, st.booleans()),
+    "top_logprobs": numbers,
+    "echo": st.booleans(),
+    "n": st.one_of(numbers, st.integers(1, 3)),
+    "presence_penalty": numbers,
+    "frequency_penalty": numbers,
+    "repetition_penalty": numbers,
+    "min_tokens": numbers,
+    "min_p": numbers,
+    "logit_bias": st.one_of(
+        st.dictionaries(st.one_of(texts, st.integers(0, 500).map(str)), numbers, max_size=3),
+        anything,
+    ),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
 }
 
 

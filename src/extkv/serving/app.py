@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
@@ -51,9 +51,12 @@ from extkv.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Position,
     Reply,
     TokenizeRequest,
+    chat_logprobs,
     check_prompt_length,
+    completion_logprobs,
     parse_request,
     usage,
 )
@@ -213,10 +216,17 @@ class _Server:
         self._check_model(body.model)
         given = body.prompts
         prompts = await asyncio.gather(*map(self._prompt_ids, given))
-        echoes = None
+        echo = None
         if body.echo:  # the prompt's text as sent, or its token ids decoded
-            echoes = await asyncio.gather(*map(self._prompt_text, given, prompts))
-        return await self._generate(request, body, prompts, body.max_tokens, echoes)
+            texts = await asyncio.gather(*map(self._prompt_text, given, prompts))
+            first_tokens = None
+            if body.logprobs is not None:
+                decode = self.prompts.decode
+                first_tokens = await asyncio.gather(
+                    *(decode(p[:1], "prompt", False) for p in prompts)
+                )
+            echo = _Echo(texts, first_tokens)
+        return await self._generate(request, body, prompts, body.max_tokens, echo)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
@@ -289,7 +299,7 @@ class _Server:
         body: CompletionRequest | ChatCompletionRequest,
         prompts: list[list[int]],
         max_tokens: int | None,
-        echoes: list[str] | None = None,
+        echo: _Echo | None = None,
     ) -> Response:
         """Run the prompts, `n` choices each, and answer whole or as a stream; choice j of
         prompt i is index i * n + j, as vLLM numbers them."""
@@ -301,18 +311,19 @@ class _Server:
                 self.prompts.require_tokenizer("stop")
             self._check_num_choices(len(prompts) * body.n)
             requests = [
-                request
+                EngineRequest(
+                    prompt, self._sampling_params(body, len(prompt), max_tokens), i * body.n
+                )
                 for i, prompt in enumerate(prompts)
-                for request in self._engine_requests(body, prompt, i, max_tokens)
             ]
-            stream = self.engine.submit(request_id, requests, body.stop_strings)
+            stream = self.engine.submit(request_id, requests)
             deltas = aiter(stream)
             # Streams wait for the first delta too, so a refusal is still a plain 4xx.
             work = anext(deltas) if body.stream else collect(deltas, stream.num_choices)
             result = await _unless_disconnected(request, work)
         if result is None:
             return Response(status_code=499)  # the client closed the connection
-        choices = _Choices(reply, prompts, body.n, echoes)
+        choices = _Choices(reply, prompts, body.n, body.num_logprobs, echo)
         if body.stream:
             events = _sse(choices, result, deltas, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -331,38 +342,20 @@ class _Server:
                 "n",
             )
 
-    def _engine_requests(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompt: list[int],
-        position: int,
-        max_tokens: int | None,
-    ) -> list[EngineRequest]:
-        """The engine requests of the prompt at `position`: one per choice, the j-th seeded
-        with seed + j (as vLLM seeds a request's n completions)."""
-        field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        params = self._sampling_params(body, len(prompt), max_tokens, field)
-        return [
-            EngineRequest(
-                prompt,
-                params if body.seed is None else replace(params, seed=body.seed + j),
-                position * body.n + j,
-            )
-            for j in range(body.n)
-        ]
-
     def _sampling_params(
         self,
         body: CompletionRequest | ChatCompletionRequest,
         num_prompt_tokens: int,
         max_tokens: int | None,
-        field: str,
     ) -> SamplingParams:
         """SamplingParams within the room the context leaves (None: all of it, but for
         completions OpenAI's default of 16, cut to the room)."""
-        check_prompt_length(num_prompt_tokens, self.max_model_len, field)
+        completion = isinstance(body, CompletionRequest)
+        check_prompt_length(
+            num_prompt_tokens, self.max_model_len, "prompt" if completion else "messages"
+        )
         room = self.max_model_len - num_prompt_tokens
-        if max_tokens is None and field == "prompt":
+        if max_tokens is None and completion:
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
         if max_tokens is not None and max_tokens > room:
             raise APIError(
@@ -372,14 +365,25 @@ class _Server:
                 "max_tokens",
             )
         return SamplingParams(
+            n=body.n,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
             min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias,
             max_tokens=max_tokens or room,
+            min_tokens=body.min_tokens,
             seed=body.seed,
+            stop=body.stop_strings,
             stop_token_ids=body.stop_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            logprobs=body.num_logprobs,
+            prompt_logprobs=body.num_prompt_logprobs,
         )
 
     def _check_model(self, model: str | None) -> None:
@@ -464,6 +468,15 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+@dataclass
+class _Echo:
+    """What completions' `echo` puts before each prompt's choices: the prompt's text, and
+    with logprobs the text of its first token (which has no logprob)."""
+
+    texts: list[str]
+    first_tokens: list[str] | None
+
+
 class _Choices:
     """The choices of one response as its chunks show them: a choice's first chunk adds
     the echoed prompt, the prompt's ids and the chat role; in a stream, a delta with no
@@ -471,13 +484,20 @@ class _Choices:
     is empty."""
 
     def __init__(
-        self, reply: Reply, prompts: list[list[int]], n: int, echoes: list[str] | None
+        self,
+        reply: Reply,
+        prompts: list[list[int]],
+        n: int,
+        num_logprobs: int | None,
+        echo: _Echo | None,
     ) -> None:
         self.reply = reply
         self.prompts = prompts
         self.n = n
-        self.echoes = echoes
+        self.num_logprobs = num_logprobs
+        self.echo = echo
         self._last: dict[int, Delta] = {}  # each choice's latest delta shown
+        self._num_chars: dict[int, int] = {}  # each choice's text shown so far
         self._held: dict[int, Delta] = {}  # each choice's deltas not shown yet, as one
 
     def chunk(self, delta: Delta, stream: bool) -> dict[str, Any]:
@@ -486,8 +506,20 @@ class _Choices:
         self._last[delta.index] = delta
         prompt = delta.index // self.n
         text = delta.text
-        if first and self.echoes is not None:
-            text = self.echoes[prompt] + text
+        positions = (
+            None
+            if delta.logprobs is None
+            else list(zip(delta.token_ids, delta.logprobs, strict=True))
+        )
+        if first and self.echo is not None:
+            text = self.echo.texts[prompt] + text
+            if positions is not None:
+                positions = [
+                    *zip(self.prompts[prompt], delta.prompt_logprobs, strict=True),
+                    *positions,
+                ]
+        offset = self._num_chars.get(delta.index, 0)
+        self._num_chars[delta.index] = offset + len(text)
         return self.reply.choice(
             delta.index,
             text,
@@ -496,6 +528,8 @@ class _Choices:
             token_ids=delta.token_ids,
             prompt_token_ids=self.prompts[prompt],
             first=first,
+            logprobs=None if positions is None else self._logprobs(positions, offset, prompt),
+            stop_reason=delta.stop_reason,
         )
 
     def merge(self, delta: Delta) -> Delta | None:
@@ -503,10 +537,8 @@ class _Choices:
         show (no text, no end, no echo to send first)."""
         held = self._held.pop(delta.index, None)
         if held is not None:
-            delta = replace(
-                delta, text=held.text + delta.text, token_ids=held.token_ids + delta.token_ids
-            )
-        echo = self.echoes is not None and delta.index not in self._last
+            delta = held.then(delta)
+        echo = self.echo is not None and delta.index not in self._last
         if delta.text or delta.finish_reason is not None or echo:
             return delta
         self._held[delta.index] = delta
@@ -516,6 +548,16 @@ class _Choices:
         """The usage of every prompt (once, whatever n) and every choice's tokens."""
         last = list(self._last.values()) if last is None else last
         return usage(sum(map(len, self.prompts)), sum(d.num_output_tokens for d in last))
+
+    def _logprobs(self, positions: list[Position], offset: int, prompt: int) -> dict[str, Any]:
+        if self.reply.chat:
+            return chat_logprobs(positions, self.num_logprobs or 0)
+        first = (
+            ""
+            if self.echo is None or self.echo.first_tokens is None
+            else self.echo.first_tokens[prompt]
+        )
+        return completion_logprobs(positions, offset, first)
 
 
 async def _sse(

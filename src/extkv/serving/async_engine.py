@@ -25,7 +25,7 @@ import torch
 from extkv.engine.detokenizer import TextStream
 from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
-from extkv.engine.outputs import RequestOutput
+from extkv.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from extkv.engine.sampling_params import SamplingParams
 from extkv.serving.metrics import ServerMetrics
 
@@ -50,17 +50,29 @@ class Delta:
     finish_reason: str | None  # set on the choice's last delta: "stop", "length" or "abort"
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: SampleLogprobs | None = None  # of `token_ids`, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # on the choice's first delta, when asked
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    def then(self, later: Delta) -> Delta:
+        """This delta and the next one of the same choice, as one."""
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=None if later.logprobs is None else (self.logprobs or []) + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass
 class EngineRequest:
-    """One engine request of an API request: a prompt and the `num_choices` choices it
-    yields, numbered from `first_index` in the response."""
+    """One engine request of an API request: a prompt and its `params.n` choices,
+    numbered from `first_index` in the response."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     first_index: int
-    num_choices: int = 1
 
 
 class RequestStream:
@@ -93,17 +105,11 @@ class RequestStream:
 
 async def collect(stream: AsyncIterator[Delta], num_choices: int) -> list[Delta]:
     """Each choice's deltas as one, in index order."""
-    texts: list[list[str]] = [[] for _ in range(num_choices)]
-    token_ids: list[list[int]] = [[] for _ in range(num_choices)]
-    last: list[Delta | None] = [None] * num_choices
+    whole: list[Delta | None] = [None] * num_choices
     async for delta in stream:
-        texts[delta.index].append(delta.text)
-        token_ids[delta.index] += delta.token_ids
-        last[delta.index] = delta
-    return [
-        replace(d, text="".join(t), token_ids=ids)
-        for d, t, ids in zip(last, texts, token_ids, strict=True)
-    ]
+        before = whole[delta.index]
+        whole[delta.index] = delta if before is None else before.then(delta)
+    return whole
 
 
 @dataclass
@@ -111,8 +117,9 @@ class _Choice:
     """One completion of an engine request as the engine thread tracks it."""
 
     index: int  # in the response
-    text: TextStream
+    text: TextStream  # holds back what could still be the start of a stop string
     num_output_tokens: int = 0
+    num_sent_chars: int = 0  # of the text
     finished: bool = False
 
 
@@ -184,14 +191,12 @@ class AsyncEngine:
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join)
 
-    def submit(
-        self, request_id: str, requests: list[EngineRequest], stop: list[str]
-    ) -> RequestStream:
+    def submit(self, request_id: str, requests: list[EngineRequest]) -> RequestStream:
         """Queue the engine requests of one API request, which share a stream; raise
         rather than queue past the limit, counted in choices."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
-        num_choices = sum(r.num_choices for r in requests)
+        num_choices = sum(r.params.n for r in requests)
         if self._pending + num_choices > self.max_pending:
             raise QueueFullError(
                 f"the server is full: {self._pending} choices are running or queued and "
@@ -205,14 +210,12 @@ class AsyncEngine:
         stream = RequestStream(ids, num_choices, self._inbox.put)
         now = time.monotonic()
         for engine_id, request in zip(ids, requests, strict=True):
+            params = request.params
             choices = [
-                _Choice(
-                    request.first_index + j,
-                    TextStream(self.engine.tokenizer, stop),
-                )
-                for j in range(request.num_choices)
+                _Choice(request.first_index + j, TextStream(self.engine.tokenizer, params.stop))
+                for j in range(params.n)
             ]
-            live = _Live(engine_id, stream, request.prompt_token_ids, request.params, choices, now)
+            live = _Live(engine_id, stream, request.prompt_token_ids, params, choices, now)
             self._inbox.put(live)
         return stream
 
@@ -310,29 +313,38 @@ class AsyncEngine:
             items += [(live.stream, d, d.finish_reason is not None) for d in deltas]
             if not live.unfinished():
                 del self._live[output.request_id]
-                if not output.finished:  # every choice hit a stop string
-                    self.engine.abort_request(output.request_id)
                 self.metrics.finished.labels(deltas[-1].finish_reason).inc()
         self._post(items)
 
     def _choice_deltas(self, live: _Live, output: RequestOutput, now: float) -> list[Delta]:
-        """The text and tokens each unfinished choice gained in this step."""
+        """What each unfinished choice gained in this step. Text streams as it is decoded,
+        less what could still start a stop string; a choice's last delta completes it
+        to the engine's own text (cut at the stop string the engine found), of which what
+        was sent is the start."""
         deltas = []
         num_new = 0
         for completion in output.outputs:
             choice = live.choices[completion.index]
-            if choice.finished:
+            done = completion.finish_reason is not None
+            start = choice.num_output_tokens
+            new = completion.token_ids[start:]
+            if choice.finished or not (new or done):
                 continue
-            new = completion.token_ids[choice.num_output_tokens :]
             choice.num_output_tokens = len(completion.token_ids)
             num_new += len(new)
-            done = output.finished or completion.finish_reason is not None
-            text = choice.text.add(new, done)
-            reason = completion.finish_reason if done else None
-            if choice.text.stopped:
-                reason = "stop"
-            choice.finished = reason is not None
-            deltas.append(self._delta(live, choice, text, new, reason))
+            if done:
+                text = (completion.text or "")[choice.num_sent_chars :]
+            else:
+                text = choice.text.add(new, finished=False, search=False)
+            choice.num_sent_chars += len(text)
+            choice.finished = done
+            delta = self._delta(live, choice, text, new, completion.finish_reason)
+            delta.stop_reason = completion.stop_reason
+            if completion.logprobs is not None:
+                delta.logprobs = completion.logprobs[start:]
+            if start == 0:
+                delta.prompt_logprobs = output.prompt_logprobs
+            deltas.append(delta)
         self._observe_latency(live, now, num_new)
         return deltas
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -19,6 +20,9 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from extkv.engine.outputs import Logprob
+from extkv.engine.sampling_params import MAX_LOGPROBS
 
 T = TypeVar("T", bound=BaseModel)
 # vLLM's error types: the openai client's exception names for the status.
@@ -73,6 +77,28 @@ Stop = Annotated[
 ]
 
 
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias, token ids as JSON's string keys, as SamplingParams takes it:
+    int keys, each bias clamped to OpenAI's [-100, 100] as vLLM does."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise PydanticCustomError(
+                "invalid_value",
+                'keys must be token ids written as strings of digits (e.g. "50256"); got {key}',
+                {"key": repr(key[:30])},
+            )
+        out[int(key)] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+    return out
+
+
+LOGIT_BIAS_LIMIT = 100.0
+LogitBias = Annotated[dict[str, Number], AfterValidator(_token_id_keys)]
+
+
 class _Strict(BaseModel):
     # strict: "1" is not a number and 1.5 not an int; forbid: a misspelt field is an error,
     # not a silently ignored option.
@@ -107,10 +133,17 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
+    logit_bias: LogitBias | None = None
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: Number = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] = []
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     return_token_ids: bool = False
 
     @field_validator("stream_options")
@@ -135,6 +168,17 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Prompt
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated position (None: no logprobs)."""
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt position: echoed prompts show theirs."""
+        return self.logprobs if self.echo else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -177,6 +221,25 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _only_with_logprobs(cls, value: int | None, info: ValidationInfo) -> Any:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "allowed only with logprobs=true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated position (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> None:
+        """Chat never shows the prompt's logprobs."""
+        return None
 
 
 class TokenizeRequest(_Strict):
@@ -242,6 +305,69 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
+# JSON has no -inf: vLLM sends this floor instead.
+LOGPROB_FLOOR = -9999.0
+# A position as the logprobs show it: its token and the candidates there (None: the
+# first prompt token, which nothing comes before).
+Position = tuple[int, dict[int, Logprob] | None]
+
+
+def _ranked(candidates: dict[int, Logprob]) -> list[Logprob]:
+    return sorted(candidates.values(), key=lambda lp: lp.rank)
+
+
+def _floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def completion_logprobs(positions: list[Position], offset: int, first_text: str) -> dict[str, Any]:
+    """vLLM's completions logprobs: each token's text and logprob, the candidates at its
+    position (the chosen token and the top k, by rank), and where each token's text
+    starts, counted from `offset`. `first_text`: the first prompt token's text."""
+    out: dict[str, list[Any]] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    for token, candidates in positions:
+        if candidates is None:
+            text, logprob, top = first_text, None, None
+        else:
+            text = candidates[token].decoded_token or ""
+            logprob = _floored(candidates[token].logprob)
+            top = {lp.decoded_token or "": _floored(lp.logprob) for lp in _ranked(candidates)}
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(logprob)
+        out["tokens"].append(text)
+        out["top_logprobs"].append(top)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(positions: list[Position], k: int) -> dict[str, Any]:
+    """vLLM's (and OpenAI's) chat logprobs: per token its text, logprob and UTF-8 bytes,
+    and the k most likely tokens at its position in the same shape."""
+    content = [
+        {
+            **_chat_token(candidates[token]),
+            "top_logprobs": [_chat_token(lp) for lp in _ranked(candidates)[:k]],
+        }
+        for token, candidates in positions
+        if candidates is not None
+    ]
+    return {"content": content}
+
+
+def _chat_token(logprob: Logprob) -> dict[str, Any]:
+    text = logprob.decoded_token or ""
+    return {
+        "token": text,
+        "logprob": _floored(logprob.logprob),
+        "bytes": list(text.encode("utf-8", errors="replace")),
+    }
+
+
 @dataclass
 class Reply:
     """Builds the response objects of one request, for either endpoint, so that the
@@ -263,6 +389,8 @@ class Reply:
         token_ids: list[int],
         prompt_token_ids: list[int] | None = None,
         first: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
         """One choice: `text` for completions, a `message` for chat, a `delta` in chat chunks
         (the choice's first also names the role). With `return_token_ids`, its token ids,
@@ -274,8 +402,9 @@ class Reply:
             out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             out["message"] = {"role": "assistant", "content": text}
-        out["logprobs"] = None
+        out["logprobs"] = logprobs
         out["finish_reason"] = finish_reason
+        out["stop_reason"] = stop_reason
         if self.return_token_ids:
             out["token_ids"] = token_ids
             if prompt_token_ids is not None and (first or not stream):
