@@ -399,3 +399,16 @@ def test_bad_chat_logprobs(server: Server) -> None:
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body)
     assert response.status_code == 400
     assert "top_logprobs: allowed only with logprobs=true" in response.json()["error"]["message"]
+
+
+def test_skip_special_tokens(server: Server, reference: LLM) -> None:
+    tokenizer = reference.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    body = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=3, logit_bias={str(eos): 100})
+    client = server.client()
+    for skip, text in ((True, ""), (False, tokenizer.eos_token * 3)):
+        extra = {**NO_EOS, "skip_special_tokens": skip}
+        got = client.completions.create(**body, extra_body=extra).choices[0]
+        assert (got.token_ids, got.text) == ([eos] * 3, text)
+        streamed = client.completions.create(**body, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in streamed) == text

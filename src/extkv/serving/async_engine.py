@@ -212,7 +212,14 @@ class AsyncEngine:
         for engine_id, request in zip(ids, requests, strict=True):
             params = request.params
             choices = [
-                _Choice(request.first_index + j, TextStream(self.engine.tokenizer, params.stop))
+                _Choice(
+                    request.first_index + j,
+                    TextStream(
+                        self.engine.tokenizer,
+                        params.stop,
+                        skip_special_tokens=params.skip_special_tokens,
+                    ),
+                )
                 for j in range(params.n)
             ]
             live = _Live(engine_id, stream, request.prompt_token_ids, params, choices, now)
