@@ -4,6 +4,7 @@ is one line that says what to pass (not a traceback after a minute of loading)."
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -254,3 +255,28 @@ def test_every_flag_says_what_it_does_and_its_default() -> None:
     # and each subcommand says what it is for in `extkv --help`
     for choice in parser._subparsers._group_actions[0]._choices_actions:
         assert choice.help, f"extkv {choice.dest} has no help"
+
+
+def _completions(stdout: str) -> list[tuple[str, str]]:
+    """(text, finish reason) of each `'prompt' -> 'text' (reason)` line of `extkv generate`."""
+    found = []
+    for line in stdout.splitlines():
+        if " -> " in line and line.endswith(")"):
+            text, reason = line.split(" -> ", 1)[1].rsplit(" (", 1)
+            found.append((ast.literal_eval(text), reason[:-1]))
+    return found
+
+
+def test_generate_stops_at_the_first_stop_string(qwen3: Path) -> None:
+    """--stop is repeatable; the text ends before the stop string found first."""
+    flags = ["--model", str(qwen3), "--prompt", "Once upon a time", *CPU, "--max-tokens", "24"]
+    flags += ["--cpu-memory-budget-bytes", str(64 << 20), "--ignore-eos"]
+    result = extkv("generate", *flags)
+    assert result.returncode == 0, result.stderr
+    [(text, reason)] = _completions(result.stdout)
+    assert reason == "length" and len(text) > 12
+    early, late = text[6:8], text[10:13]  # given late first: the one found first wins
+    expected = text[: min(text.find(early), text.find(late))]
+    result = extkv("generate", *flags, "--stop", late, "--stop", early)
+    assert result.returncode == 0, result.stderr
+    assert _completions(result.stdout) == [(expected, "stop")]
