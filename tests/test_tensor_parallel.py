@@ -52,10 +52,25 @@ def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+_OLDER_CHILDREN: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def older_children() -> None:
+    """The children alive before each test (the session's live `extkv serve`s, which
+    other modules started): not this test's to end."""
+    _OLDER_CHILDREN.clear()
+    _OLDER_CHILDREN.update(children())
+
+
 def child_pids() -> set[int]:
-    """Every child but multiprocessing's resource tracker (one per process, started
-    with the first spawned child)."""
-    return {pid for pid, cmdline in children().items() if b"resource_tracker" not in cmdline}
+    """The children started since the test began, but multiprocessing's resource tracker
+    (one per process, started with the first spawned child)."""
+    return {
+        pid
+        for pid, cmdline in children().items()
+        if b"resource_tracker" not in cmdline and pid not in _OLDER_CHILDREN
+    }
 
 
 def worker_pids() -> set[int]:
