@@ -20,7 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from extkv.kernels import gemv
-from extkv.kernels.gemv import MAX_ROWS, GemvConfig, gemv_config, linear_small_batch
+from extkv.kernels.activation import silu_and_mul
+from extkv.kernels.gemv import (
+    MAX_ROWS,
+    GemvConfig,
+    gemv_config,
+    linear_small_batch,
+    rms_norm_linear_small_batch,
+    silu_and_mul_linear_small_batch,
+)
+from extkv.kernels.norm import rms_norm
+from extkv.kernels.pdl import pdl_launch
 from extkv.models import ops
 from helpers import interpreter_rounds_bf16_to_nearest
 
@@ -91,6 +101,65 @@ def check_batch_invariant(
     assert torch.equal(linear_small_batch(x[5:6], weight, bias, config), full[5:6])
 
 
+def check_gated(
+    num_rows: int, k: int, n: int, dtype: torch.dtype, device: str, config: GemvConfig | None = None
+) -> None:
+    """silu(gate) * up fused into the GEMV's input: the bits of the activation kernel
+    then the GEMV, for each row whatever the rows around it."""
+    gate_up = torch.randn(MAX_ROWS, 2 * k + 3, dtype=dtype, device=device)[:, : 2 * k]
+    weight = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+    bias = torch.randn(n, dtype=dtype, device=device)
+    fused = silu_and_mul_linear_small_batch(gate_up[:num_rows], weight, bias, config)
+    two_kernels = linear_small_batch(silu_and_mul(gate_up[:num_rows]), weight, bias, config)
+    assert torch.equal(fused, two_kernels)
+    everything = silu_and_mul_linear_small_batch(gate_up, weight, bias, config)
+    assert torch.equal(fused, everything[:num_rows])
+
+
+def check_normed(
+    num_rows: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    residual_dtype: torch.dtype | None,
+    device: str,
+    config: GemvConfig | None = None,
+) -> None:
+    """RMSNorm(x + residual) fused into the GEMV's input: the new residual stream is the
+    norm kernel's bit for bit (the residual given is left as it was), y the GEMV of the
+    norm kernel's output up to the sum of squares' order, and batch-invariant."""
+    x = torch.randn(MAX_ROWS, k + 5, dtype=dtype, device=device)[:, :k] * 3
+    residual = None
+    if residual_dtype is not None:
+        residual = torch.randn(MAX_ROWS, k, dtype=residual_dtype, device=device)
+    norm_weight = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    weight = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+    rows = residual if residual is None else residual[:num_rows]
+    before = None if rows is None else rows.clone()
+    y, stream = rms_norm_linear_small_batch(
+        x[:num_rows], rows, norm_weight, 1e-6, weight, None, config
+    )
+    if rows is None:
+        assert stream is x[:num_rows] or torch.equal(stream, x[:num_rows])
+        normed = rms_norm(x[:num_rows], norm_weight, 1e-6)
+    else:
+        assert torch.equal(rows, before)
+        normed, expected_stream = rms_norm(x[:num_rows], norm_weight, 1e-6, before.clone())
+        assert stream.dtype == residual_dtype and torch.equal(stream, expected_stream)
+    torch.testing.assert_close(
+        y.float(), linear_small_batch(normed, weight, None, config).float(), **TOLERANCES[dtype]
+    )
+    everything, _ = rms_norm_linear_small_batch(
+        x, residual, norm_weight, 1e-6, weight, None, config
+    )
+    assert torch.equal(y, everything[:num_rows])
+
+
+def test_pdl_is_for_cuda_only() -> None:
+    """Off CUDA (the interpreter's CPU tensors) kernels launch serially, with no PDL option."""
+    assert pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+
+
 def test_narrow_weights_split_k_to_fill_the_device() -> None:
     """Qwen3-0.6B's N=1024 weights have 16 tiles of 64 rows for 132 SMs: K is split (in
     slices of at least 3 stages, one program per SM at most); wide weights are not."""
@@ -147,6 +216,25 @@ def interpreter_checks() -> list[Callable[[], None]]:
             for config in SPLITS
         ),
         *(partial(check_batch_invariant, 1100, 40, torch.bfloat16, "cpu", c) for c in SPLITS),
+        *(
+            partial(check_gated, num_rows, k, n, dtype, "cpu", config)
+            for k, n in ((384, 128), (100, 77))
+            for num_rows in (1, 3)
+            for dtype in (torch.float32, torch.bfloat16)
+            for config in (None, *SPLITS)
+        ),
+        *(
+            partial(check_normed, num_rows, k, n, dtype, residual_dtype, "cpu", config)
+            for k, n in ((128, 512), (100, 77))
+            for num_rows in (1, 3)
+            for dtype, residual_dtype in (
+                (torch.float32, torch.float32),
+                (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, torch.float32),
+                (torch.bfloat16, None),
+            )
+            for config in (None, SPLITS[1])
+        ),
     ]
 
 
@@ -215,6 +303,24 @@ def test_cuda_graph_replay_matches_f_linear(
 @pytest.mark.parametrize(("k", "n"), QWEN3_SHAPES)
 def test_batch_invariant_gpu(k: int, n: int, dtype: torch.dtype) -> None:
     check_batch_invariant(k, n, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 4, 16])
+@pytest.mark.parametrize(("k", "n"), QWEN3_SHAPES)
+def test_fused_inputs_gpu(k: int, n: int, num_rows: int) -> None:
+    """The activation and the norm fused into the compiled GEMV."""
+    check_gated(num_rows, k, n, torch.bfloat16, "cuda")
+    for residual_dtype in (torch.bfloat16, torch.float32, None):
+        check_normed(num_rows, k, n, torch.bfloat16, residual_dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_pdl_on_hopper() -> None:
+    """sm90+ launches the step's kernels with PDL when EXTKV_PDL=1 (gpu-check step-pdl)."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    wanted = hopper and os.environ.get("EXTKV_PDL") == "1"
+    assert pdl_launch(torch.device("cuda")).get("launch_pdl", False) == wanted
 
 
 @pytest.mark.gpu

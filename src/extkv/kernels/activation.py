@@ -6,12 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inner, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, inner, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """One program per (row, block of features); rounds where torch's two ops do."""
+    wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < inner
@@ -34,6 +39,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(num_rows, inner)
     if num_rows:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inner, _BLOCK))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inner, BLOCK=_BLOCK, num_warps=4
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            inner,
+            BLOCK=_BLOCK,
+            num_warps=4,
+            **pdl_launch(gate_up.device),
         )
     return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+
 
 @triton.jit
 def _causal_conv_update_kernel(
@@ -32,12 +34,14 @@ def _causal_conv_update_kernel(
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (sequence, channel block).
 
     Each channel is owned by one thread for every column it touches, so the
     state can be shifted in place: column k is read before it is overwritten.
     """
+    wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < channels
@@ -99,5 +103,6 @@ def causal_conv_update(
         WIDTH=weight.shape[1],
         HAS_BIAS=bias is not None,
         BLOCK_C=block_c,
+        **pdl_launch(x.device),
     )
     return out

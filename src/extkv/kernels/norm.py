@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+
 
 def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 8)
@@ -30,8 +32,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per row: optionally residual += x, then normalise the sum."""
+    wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < num_cols
@@ -80,6 +84,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=_num_warps(block),
+            **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual)
 
@@ -96,8 +101,10 @@ def _gated_rms_norm_kernel(
     group_size,
     eps,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (row, channel group): normalise y * silu(gate) within the group."""
+    wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     live = tl.arange(0, BLOCK) < group_size
@@ -135,5 +142,6 @@ def gated_rms_norm(
             eps,
             BLOCK=block,
             num_warps=_num_warps(block),
+            **pdl_launch(y.device),
         )
     return out

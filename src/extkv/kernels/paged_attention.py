@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from extkv.attention.metadata import AttentionMetadata
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 _LOG2E = math.log2(math.e)
 
@@ -65,8 +66,10 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32."""
+    wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     q_tile = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
@@ -148,8 +151,10 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (num_tokens, num_q_heads): weight each split's output by its softmax mass."""
+    wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -279,6 +284,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages if head_dim_p2 <= MAX_DEEP_PIPELINE_HEAD_DIM else 2,
+        **pdl_launch(query.device),
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -290,6 +296,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_P2=head_dim_p2,
             NUM_SPLITS=splits,
+            **pdl_launch(query.device),
         )
     return out
 

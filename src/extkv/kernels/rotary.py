@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+
 _TILE_ELEMENTS = 512  # (heads, head_dim) elements per program
 
 
@@ -95,8 +97,10 @@ def _qk_norm_rope_store_kernel(
     Q_TILES: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (token, tile of HEADS heads): q tiles first, then k/v tiles."""
+    wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     rows = tl.arange(0, HEADS)[:, None]
@@ -213,6 +217,7 @@ def qk_norm_rope_store(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
         num_warps=4,
+        **pdl_launch(qkv.device),
     )
     return q
 

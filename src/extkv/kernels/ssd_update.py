@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+
 _TILE_ELEMENTS = 4096  # state elements per program: (BLOCK_P, N) in registers
 
 
@@ -52,8 +54,10 @@ def _ssm_state_update_kernel(
     STATE_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (sequence, head, block of head channels)."""
+    wait_for_previous_grid(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -138,5 +142,6 @@ def ssm_state_update(
         STATE_SIZE=state_size,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
+        **pdl_launch(x.device),
     )
     return out

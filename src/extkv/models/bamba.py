@@ -59,14 +59,14 @@ class BambaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream): the caller's next norm adds the two."""
-        hidden, residual = self.input_layernorm(hidden, residual)
+        """(MLP output, residual stream): the caller's next norm adds the two. Each
+        sublayer applies its norm itself, fused into its first projection."""
+        norm = self.input_layernorm
         if self.is_attention:
-            hidden = self.self_attn(hidden, positions, cos_sin_cache)
+            hidden, residual = self.self_attn(hidden, residual, norm, positions, cos_sin_cache)
         else:
-            hidden = self.mamba(hidden)
-        hidden, residual = self.pre_ff_layernorm(hidden, residual)
-        return self.feed_forward(hidden), residual
+            hidden, residual = self.mamba(hidden, residual, norm)
+        return self.feed_forward(hidden, residual, self.pre_ff_layernorm)
 
 
 class BambaModel(nn.Module):

@@ -117,6 +117,11 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(inner, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden_size) -> (T, hidden_size): down(silu(gate) * up), summed over the ranks."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden_size) -> (down(silu(gate) * up) of `norm(x, residual)`, summed over
+        the ranks; the residual stream). Where a decode step's GEMV runs, the norm is fused
+        into the gate/up projection and the activation into the down projection."""
+        gate_up, residual = self.gate_up_proj.normed(x, residual, norm)
+        return self.down_proj(gate_up, gated=True), residual

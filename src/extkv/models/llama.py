@@ -58,14 +58,22 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden (T, hidden_size), positions (T,) -> (T, hidden_size), summed over the ranks."""
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (T, hidden_size), positions (T,) -> (attention of `norm(hidden,
+        residual)`, summed over the ranks; the residual stream): the norm runs fused
+        into the qkv projection where a decode step's GEMV runs."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        out = self.attn(self.qkv_proj(hidden), positions, cos_sin_cache, qk_norm)
-        return self.o_proj(out)
+        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
+        out = self.attn(qkv, positions, cos_sin_cache, qk_norm)
+        return self.o_proj(out), residual
 
 
 class DecoderLayer(nn.Module):
@@ -87,11 +95,12 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream): the caller's next norm adds the two."""
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """(MLP output, residual stream): the caller's next norm adds the two. Each
+        sublayer applies its norm itself, fused into its first projection."""
+        hidden, residual = self.self_attn(
+            hidden, residual, self.input_layernorm, positions, cos_sin_cache
+        )
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):

@@ -138,18 +138,20 @@ class Mamba2Mixer(nn.Module):
         over the whole sequence), the conv state in the model dtype (it holds inputs)."""
         return self.ssm_state_dtype, self.in_proj.weight.dtype
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (T, hidden_size) -> (T, hidden_size)."""
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (T, hidden_size) -> (the mixer of `norm(hidden, residual)`, the residual
+        stream): the norm runs fused into in_proj where a decode step's GEMV runs."""
         d = self.dims
         metadata = get_forward_context().mamba
-        gate, xBC, dt = self.in_proj(hidden).split(
-            [d.intermediate_size, d.conv_dim, d.num_heads], dim=-1
-        )
+        projected, residual = self.in_proj.normed(hidden, residual, norm)
+        gate, xBC, dt = projected.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
         if hidden.is_cuda and not metadata.is_prefill and self._bound(metadata):
             y = self._decode_triton(xBC, dt, metadata)
         else:
             y = self._forward_torch(xBC, dt, metadata)
-        return self.out_proj(self.norm(y.flatten(1), gate))
+        return self.out_proj(self.norm(y.flatten(1), gate)), residual
 
     def _state_indices(self, metadata: MambaMetadata) -> torch.Tensor:
         """This layer's state rows: hybrid models cut Mamba layers into groups (see

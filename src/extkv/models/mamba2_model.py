@@ -45,10 +45,10 @@ class Mamba2Block(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mixer output, residual stream): the caller's next norm adds the two."""
-        hidden, residual = self.norm(hidden, residual)
+        hidden, residual = self.mixer(hidden, residual, self.norm)
         if self.residual_in_fp32:
             residual = residual.float()  # a copy in the first block only
-        return self.mixer(hidden), residual
+        return hidden, residual
 
 
 class Mamba2Model(nn.Module):

@@ -54,10 +54,10 @@ def gated_rms_norm(
     return reference.gated_rms_norm(y, gate, weight, group_size, eps)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """nn.Linear's forward: a decode step's few low-precision rows on CUDA go through the
-    weight-streaming GEMV (`GEMV_MAX_ROWS`); everything else, the CPU included, is F.linear."""
-    if (
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows go through the Triton GEMV: a decode step's few low-precision
+    rows on CUDA (`GEMV_MAX_ROWS`)."""
+    return (
         x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_MAX_ROWS
@@ -65,8 +65,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.Linear's forward: a decode step's few low-precision rows on CUDA go through the
+    weight-streaming GEMV (`GEMV_MAX_ROWS`); everything else, the CPU included, is F.linear."""
+    if _takes_gemv(x, weight):
         from extkv.kernels.gemv import linear_small_batch
 
         return linear_small_batch(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear(silu_and_mul(gate_up), weight, bias)`, the activation fused into the GEMV's
+    input where the GEMV runs (same bits: one kernel fewer per MLP)."""
+    if _takes_gemv(gate_up, weight):
+        from extkv.kernels.gemv import silu_and_mul_linear_small_batch
+
+        return silu_and_mul_linear_small_batch(gate_up, weight, bias)
+    return linear(silu_and_mul(gate_up), weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear of RMSNorm(residual + x), residual stream), the norm fused into the GEMV's
+    input where the GEMV runs (one kernel fewer per norm; the stream is then a new tensor,
+    not `residual` updated in place). Without a residual the stream starts at x."""
+    if _takes_gemv(x, weight):
+        from extkv.kernels.gemv import rms_norm_linear_small_batch
+
+        return rms_norm_linear_small_batch(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    normed, residual = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), residual

@@ -129,6 +129,13 @@ class ColumnParallelLinear(nn.Linear):
         """nn.Linear's, through `ops.linear`: a decode step's rows take the GEMV on CUDA."""
         return ops.linear(x, self.weight, self.bias)
 
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer of `norm(x, residual)`'s output, the residual stream): the RMSNorm
+        before the projection fused into a decode step's GEMV (`ops.rms_norm_linear`)."""
+        return ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
         """Copy this rank's shards of checkpoint tensor `part` into its rows of `param`."""
         offset, shards = self.parts[part]
@@ -150,9 +157,16 @@ class RowParallelLinear(nn.Linear):
         self.tp = current_group()
         self.weight.weight_loader = shard_loader(shard, dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product, summed over the ranks (the bias on rank 0 only)."""
-        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """This rank's partial product, summed over the ranks (the bias on rank 0 only).
+        `gated`: x is a gated MLP's (T, 2 in_features), gate then up, and the layer takes
+        silu(gate) * up, fused into a decode step's GEMV (`ops.silu_and_mul_linear`)."""
+        bias = self.bias if self.tp.rank == 0 else None
+        y = (
+            ops.silu_and_mul_linear(x, self.weight, bias)
+            if gated
+            else ops.linear(x, self.weight, bias)
+        )
         return self.tp.all_reduce(y)
 
 
