@@ -222,7 +222,11 @@ def test_health_answers_while_a_4_mb_prompt_is_tokenized(strict: Server) -> None
     assert response.status_code == 400
     assert "but max_model_len=1024 allows at most 1023" in response.json()["error"]["message"]
     assert len(latencies) >= 10, latencies  # the tokenizing took a while
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    # Tokenizing on the event loop or a thread stalls /health for seconds (13 s measured);
+    # off it, every answer is fast but the one or two caught behind the 4 MB body's JSON
+    # parse and hand-over to the worker (GIL-bound, ~0.2 s on a loaded 2-core machine).
+    latencies.sort()
+    assert latencies[int(0.9 * len(latencies))] < 0.1 and latencies[-1] < 0.5, latencies[-5:]
 
 
 # --- who may call ------------------------------------------------------------------------
