@@ -1,15 +1,23 @@
 """The CPU's attention (the torch reference): exact, and memory linear in the prompt.
 
 A whole prompt is one causal SDPA call, as transformers makes it; a prompt after a cached
-prefix goes a chunk of queries at a time. Neither may build the prompt x context scores."""
+prefix is two flash calls (prefix, causal new part) merged on the CPU, and goes a chunk of
+queries at a time elsewhere (the GPU kernels' oracle, run here on the CPU too). None may
+build the prompt x context scores."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.attention.reference import causal_attention, varlen_attention_reference
+from extkv.attention.reference import (
+    causal_attention,
+    masked_chunk_attention,
+    varlen_attention_reference,
+)
 from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 
 SCALE = 0.125
@@ -48,9 +56,28 @@ def full_mask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 )
 def test_attention_equals_the_full_mask(q_len: int, kv_len: int, chunk: int) -> None:
     q, k, v = qkv(q_len, kv_len)
-    out = causal_attention(q, k, v, SCALE, chunk)
-    assert out.shape == q.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), full_mask_attention(q, k, v), atol=2e-6, rtol=0)
+    expected = full_mask_attention(q, k, v)
+    for out in (causal_attention(q, k, v, SCALE), masked_chunk_attention(q, k, v, SCALE, chunk)):
+        assert out.shape == q.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_after_a_prefix_the_cpu_takes_two_unmasked_flash_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt after a cached prefix: the prefix part without a mask, the new part causal
+    in the kernel (no mask built), not a masked call over the new tokens' square."""
+    q, k, v = qkv(700, 1000)
+    calls: list[tuple[tuple[int, ...], bool, bool]] = []
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def recording(query, key, value, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((tuple(key.shape), is_causal, kwargs.get("attn_mask") is not None))
+        return flash(query, key, value, dropout_p, is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", recording)
+    causal_attention(q, k, v, SCALE)
+    assert calls == [((1, 2, 300, 32), False, False), ((1, 6, 700, 32), True, False)]
 
 
 def test_a_whole_prompt_is_transformers_call() -> None:
@@ -75,8 +102,8 @@ def test_packed_prompts_of_equal_lengths_go_together() -> None:
 
 
 def test_chunks_bound_every_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a cached prefix, no SDPA call sees more than `chunk` queries: its mask (and
-    scores) are at most chunk x context, never prompt x context."""
+    """Off the CPU, after a cached prefix, no SDPA call sees more than `chunk` queries: its
+    mask (and scores) are at most chunk x context, never prompt x context."""
     q, k, v = qkv(1000, 1600)
     calls: list[tuple[int, int]] = []
     sdpa = F.scaled_dot_product_attention
@@ -86,7 +113,7 @@ def test_chunks_bound_every_mask(monkeypatch: pytest.MonkeyPatch) -> None:
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
-    causal_attention(q, k, v, SCALE, chunk=128)
+    masked_chunk_attention(q, k, v, SCALE, chunk=128)
     assert len(calls) == 8  # ceil(1000 / 128)
     assert max(queries for queries, _ in calls) == 128
     assert max(mask for _, mask in calls) <= 128 * 1600
@@ -99,14 +126,15 @@ def test_prefill_memory_is_linear(q_len: int, kv_len: int) -> None:
     if not reset_peak_resident():
         pytest.skip("this OS cannot reset the resident set's high-water mark")
     q, k, v = qkv(q_len, kv_len, heads=1, kv_heads=1, dim=16)
-    causal_attention(q[:8], k[: kv_len - q_len + 8], v[: kv_len - q_len + 8], SCALE, 256)
-    reset_peak_resident()
-    before = resident_bytes()
-    causal_attention(q, k, v, SCALE, chunk=256)
-    assert peak_resident_bytes() - before < 48 * MiB
+    for attention in (causal_attention, partial(masked_chunk_attention, chunk=256)):
+        attention(q[:8], k[: kv_len - q_len + 8], v[: kv_len - q_len + 8], SCALE)
+        reset_peak_resident()
+        before = resident_bytes()
+        attention(q, k, v, SCALE)
+        assert peak_resident_bytes() - before < 48 * MiB, attention
 
 
 def test_chunk_must_be_positive() -> None:
     q, k, v = qkv(4, 8)
     with pytest.raises(ValueError, match="chunk must be a positive number of queries; got 0"):
-        causal_attention(q, k, v, SCALE, chunk=0)
+        masked_chunk_attention(q, k, v, SCALE, chunk=0)
