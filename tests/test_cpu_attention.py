@@ -31,16 +31,19 @@ def qkv(q_len: int, kv_len: int, heads: int = 6, kv_heads: int = 2, dim: int = 3
     return q, k, v
 
 
-def full_mask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The definition, in float64: every score of the prompt against its context at once."""
+def full_mask_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """The definition, in float64: every score of the prompt against its context at once
+    (with a window W, a query sees its last W positions, as transformers' mask)."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     q_len, kv_len = q.shape[1], k.shape[1]
     pos = torch.arange(kv_len)
-    scores = (q @ k.transpose(1, 2) * SCALE).masked_fill(
-        pos[None, :] > pos[kv_len - q_len :, None], float("-inf")
-    )
+    query_pos = pos[kv_len - q_len :, None]
+    hidden = (pos[None, :] > query_pos) | (pos[None, :] <= query_pos - (window or kv_len))
+    scores = (q @ k.transpose(1, 2) * SCALE).masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
@@ -78,6 +81,20 @@ def test_after_a_prefix_the_cpu_takes_two_unmasked_flash_calls(
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", recording)
     causal_attention(q, k, v, SCALE)
     assert calls == [((1, 2, 300, 32), False, False), ((1, 6, 700, 32), True, False)]
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "window"),
+    [(300, 300, 37), (200, 450, 64), (1, 500, 100), (50, 60, 100)],  # the last: within it
+)
+def test_sliding_window_equals_its_full_mask(q_len: int, kv_len: int, window: int) -> None:
+    q, k, v = qkv(q_len, kv_len)
+    expected = full_mask_attention(q, k, v, window)
+    for out in (
+        causal_attention(q, k, v, SCALE, window),
+        masked_chunk_attention(q, k, v, SCALE, 64, sliding_window=window),
+    ):
+        torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
 
 
 def test_a_whole_prompt_is_transformers_call() -> None:

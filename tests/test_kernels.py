@@ -101,8 +101,10 @@ def check_attention(
     device: str,
     tol: float,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> None:
-    """Kernel output (NaN-poisoned first) vs the reference in float32."""
+    """Kernel output (NaN-poisoned first) vs the reference in float32; with a window, the
+    blocks before every query's window are poisoned too (neither side may read them)."""
     num_kv_heads = 2
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 7
     cache = Cache.random(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
@@ -118,12 +120,28 @@ def check_attention(
         device,
     )
     scale = head_dim**-0.5
+    if sliding_window is not None:  # what a window frees: every block before the first seen
+        md = batch.metadata
+        for s, (context_len, q_len) in enumerate(zip(context_lens, q_lens, strict=True)):
+            first = max(0, context_len - q_len - sliding_window + 1) // block_size
+            for block in md.block_tables[s, :first].tolist():
+                cache.k[block], cache.v[block] = float("nan"), float("nan")
     out = torch.full_like(batch.query, float("nan"))
-    paged_attention(batch.query, cache.k, cache.v, batch.metadata, scale, out, num_splits)
+    paged_attention(
+        batch.query,
+        cache.k,
+        cache.v,
+        batch.metadata,
+        scale,
+        out,
+        num_splits,
+        sliding_window=sliding_window,
+    )
     ref_cache = cache.rebased(cache.buf.float())
     ref = paged_attention_reference(
-        batch.query.float(), ref_cache.k, ref_cache.v, batch.metadata, scale
+        batch.query.float(), ref_cache.k, ref_cache.v, batch.metadata, scale, sliding_window
     )
+    assert not ref.isnan().any()
     assert relative_error(out, ref) < tol
 
 
@@ -158,10 +176,15 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
             partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1),
         ],
         "varlen": [partial(check_varlen, 2, **on_cpu, tol=CPU_TOL)],
+        "window": [
+            partial(attn, "split", 4, 2, 32, **PREFILL_CPU, sliding_window=16),
+            partial(attn, "block_major", 4, 4, 32, **DECODE_CPU, num_splits=4, sliding_window=24),
+            partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1, sliding_window=7),
+        ],
     }
 
 
-@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen"])
+@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window"])
 def test_interpreted(kernel: str) -> None:
     env = os.environ | {"TRITON_INTERPRET": "1"}
     proc = subprocess.run(

@@ -27,6 +27,7 @@ Numbers like 1, 2, 3, 42 and 2026 appear in text, as do questions? And answers!
 _ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "bamba": (
         "BambaConfig",
         "BambaForCausalLM",

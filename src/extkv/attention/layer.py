@@ -26,15 +26,24 @@ class Attention(nn.Module):
     `k_cache` / `v_cache` are (num_blocks, block_size, num_kv_heads, head_dim)
     views of any stride, bound by the model runner once the KV cache exists;
     the kernels read them through strides, so every layout works unchanged.
-    Before binding (the profiling run) attention runs on the step's own K/V.
+    Before binding (the profiling run) attention runs on the step's own K/V, window
+    or not (only its memory counts there).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # each query sees its last this many tokens
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -57,5 +66,7 @@ class Attention(nn.Module):
             q = qk_norm_rope_store(
                 *prepare, q_weight, k_weight, eps, self.k_cache, self.v_cache, metadata.slot_mapping
             )
-            out = paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
+            out = paged_attention(
+                q, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window
+            )
         return out.view(-1, self.num_heads * self.head_dim)

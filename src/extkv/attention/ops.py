@@ -72,14 +72,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query (T, Hq, D) against each sequence's context in the paged cache: the Triton
-    kernel on CUDA, the torch reference elsewhere."""
+    """query (T, Hq, D) against each sequence's context in the paged cache (its last
+    `sliding_window` tokens per query, with one): the Triton kernel on CUDA, the torch
+    reference elsewhere."""
     if query.is_cuda:
         from extkv.kernels.paged_attention import paged_attention as paged_attention_triton
 
-        return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
-    return paged_attention_reference(query, k_cache, v_cache, metadata, scale)
+        return paged_attention_triton(
+            query, k_cache, v_cache, metadata, scale, sliding_window=sliding_window
+        )
+    return paged_attention_reference(query, k_cache, v_cache, metadata, scale, sliding_window)
 
 
 def varlen_attention(

@@ -53,12 +53,19 @@ def whole_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (L, Hq, D) over k/v (S, Hkv, D), q being the last L of S, in
-    fp32, with memory linear in L and S beyond the inputs."""
+    fp32, with memory linear in L and S beyond the inputs. With `sliding_window` W, the
+    query at position p sees the keys of positions p - W + 1 to p (transformers' mask)."""
     q_len, kv_len = q.shape[0], k.shape[0]
     offset = kv_len - q_len  # the cached prefix before the first query
+    if sliding_window is not None and kv_len > sliding_window:
+        return masked_chunk_attention(q, k, v, scale, sliding_window=sliding_window)
     if offset == 0:
         return whole_prompts(q[None], k[None], v[None], scale)[0]
     if q_len == 1:  # one query sees every key: nothing to mask
@@ -96,25 +103,34 @@ def _after_prefix_cpu(
 
 
 def masked_chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    chunk: int = QUERY_CHUNK,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`causal_attention` on any device, `chunk` queries at a time, each against the keys
-    up to its last query under a (chunk, context) mask: memory O(chunk x S)."""
+    its queries see under a mask: memory O(chunk x S), O(chunk x (chunk + W)) with a
+    sliding window W."""
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of queries; got {chunk}")
     q_len, kv_len = q.shape[0], k.shape[0]
     offset = kv_len - q_len
+    window = sliding_window or kv_len
     q, k, v = (t.transpose(0, 1).float()[None] for t in (q, k, v))
     out = torch.empty_like(q)
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
-        keys = offset + end  # what the chunk's last query sees
-        key_pos = torch.arange(keys, device=q.device)
-        mask = key_pos[None, :] <= key_pos[offset + start :, None]
+        first = max(0, offset + start - window + 1)  # the first key the chunk's first query sees
+        last = offset + end  # past the last key its last query sees
+        key_pos = torch.arange(first, last, device=q.device)
+        query_pos = torch.arange(offset + start, last, device=q.device)[:, None]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
         out[:, :, start:end] = F.scaled_dot_product_attention(
             q[:, :, start:end],
-            k[:, :, :keys],
-            v[:, :, :keys],
+            k[:, :, first:last],
+            v[:, :, first:last],
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
@@ -128,17 +144,24 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query (T, Hq, D) against each sequence's cached context; returns (T, Hq, D)."""
+    """query (T, Hq, D) against each sequence's cached context (its last `sliding_window`
+    tokens per query, with a window); returns (T, Hq, D)."""
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     cu = metadata.cu_seqlens_q.tolist()
     for s, context_len in enumerate(metadata.context_lens.tolist()):
+        q = query[cu[s] : cu[s + 1]]
+        # From the block of the first key the first query sees: the blocks before it, out
+        # of every window, may be freed. Positions are relative, so the window is too.
+        seen = 0 if sliding_window is None else context_len - len(q) - sliding_window + 1
+        first_block = max(0, seen) // block_size
         num_blocks = -(-context_len // block_size)
-        blocks = metadata.block_tables[s, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:context_len]
-        v = v_cache[blocks].flatten(0, 1)[:context_len]
-        out[cu[s] : cu[s + 1]] = causal_attention(query[cu[s] : cu[s + 1]], k, v, scale)
+        blocks = metadata.block_tables[s, first_block:num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[: context_len - first_block * block_size]
+        v = v_cache[blocks].flatten(0, 1)[: context_len - first_block * block_size]
+        out[cu[s] : cu[s + 1]] = causal_attention(q, k, v, scale, sliding_window)
     return out
 
 

@@ -5,6 +5,10 @@ table and, in models with recurrent (Mamba) layers, one state block per
 recurrent group, whatever its length. In hybrid models both kinds come from the
 same buffers, so one pool serves them and a block is one kind at a time.
 
+With a sliding window, a sequence's leading blocks that no later query sees are
+released as it runs: their table entries become NO_BLOCK (positions keep their
+index), so a long generation holds a window's worth of blocks.
+
 With prefix caching, a full attention block whose KV has been computed is
 remembered by its content (its tokens and everything before them). A new
 sequence starting with the same tokens takes those blocks instead of computing
@@ -20,6 +24,7 @@ from extkv.engine.sequence import Sequence
 from extkv.kv_cache.plan import BlockNeeds
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
+NO_BLOCK = -1  # a released block's table entry: never read (it is out of every window)
 
 
 class BlockManager:
@@ -31,6 +36,11 @@ class BlockManager:
             raise ValueError(
                 "enable_prefix_caching needs a model without Mamba layers: a recurrent "
                 "state sums up the whole prefix and cannot be shared block by block"
+            )
+        if prefix_caching and needs.sliding_window is not None:
+            raise ValueError(
+                "enable_prefix_caching needs a model without sliding-window attention: "
+                "its sequences release the blocks a cached prefix would be made of"
             )
         self.num_blocks = num_blocks
         self.needs = needs
@@ -115,15 +125,33 @@ class BlockManager:
             missing -= groups
         seq.block_table.extend(self._take_free() for _ in range(missing))
 
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """With a sliding window, free `seq`'s leading blocks that its next query (at
+        `num_computed_tokens`) and every later one no longer see. A step already launched
+        may still read them, but whatever reuses them writes in a later step."""
+        window = self.needs.sliding_window
+        if window is None:
+            return
+        first_seen = max(seq.num_computed_tokens - window + 1, 0) // self.needs.block_size
+        for i in range(seq.num_released_blocks, min(first_seen, len(seq.block_table))):
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = NO_BLOCK
+            seq.num_released_blocks = i + 1
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks; one left unheld is free but keeps its cached content."""
-        for block in (*seq.block_table, *seq.state_blocks):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free[block] = None  # keeps its content until handed out again
+        held = seq.block_table[seq.num_released_blocks :]
+        for block in (*held, *seq.state_blocks):
+            self._drop(block)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.state_blocks = []
         seq.block_hashes = []
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[block] = None  # keeps its content until handed out again
 
     def _take(self, block: int) -> None:
         self._free.pop(block, None)

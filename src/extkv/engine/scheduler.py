@@ -244,10 +244,13 @@ class Scheduler:
         """Record that `plan` (the last one made) went to the device: its tokens count as
         computed, and each request it samples has one more token pending."""
         remember = self.block_manager.prefix_caching
+        windowed = self.block_manager.needs.sliding_window is not None
         for seq, request in zip(self._planned, plan.requests, strict=True):
             seq.num_computed_tokens += request.num_new_tokens
             if remember:
                 self.block_manager.remember_computed(seq)
+            if windowed:
+                self.block_manager.release_out_of_window(seq)
             if request.sampling is not None:
                 seq.num_pending += 1
 

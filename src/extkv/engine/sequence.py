@@ -39,7 +39,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending = 0
         self.num_preemptions = 0
-        self.block_table: list[int] = []  # attention blocks, in token order
+        self.block_table: list[int] = []  # attention blocks, in token order (NO_BLOCK: released)
+        self.num_released_blocks = 0  # sliding window: the leading blocks no query sees again
         self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None

@@ -41,6 +41,7 @@ def _paged_attention_kernel(
     context_lens_ptr,
     cu_seqlens_q_ptr,
     qk_scale,
+    window,
     num_q_heads,
     stride_qt,
     stride_qh,
@@ -93,10 +94,12 @@ def _paged_attention_kernel(
     q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
 
-    # This program's keys: its split's share of the causally visible context.
+    # This program's keys: its split's share of the context the tile's queries see (the
+    # causal end; the window's start, `window` being the context's bound without one).
     kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
-    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * per_split
+    kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = kv_begin + split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -114,6 +117,7 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        visible &= kv_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(s, 1))
@@ -186,6 +190,7 @@ class Tiles:
 PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
 DECODE_TILES = Tiles(block_m=16, block_n=64, num_warps=4, num_stages=3)
 MAX_SPLITS = 16
+NO_WINDOW = 1 << 30  # the kernel's window without a sliding window: beyond any context
 MAX_DEEP_PIPELINE_HEAD_DIM = 128  # beyond it three K/V stages overflow shared memory
 
 
@@ -223,8 +228,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: Tiles | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides.
+    """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides; with
+    `sliding_window` W each query sees the keys of its last W positions only (the blocks
+    before them are never read, so they may be freed).
 
     `out` (T, Hq, D) is written if given; `num_splits` (a power of two) overrides
     the decode split count and `tiles` the launch shape (benchmarks/bench_attention.py
@@ -242,9 +250,8 @@ def paged_attention(
         tiles, splits, max_q_len = tiles or PREFILL_TILES, 1, metadata.max_seqlen_q
     else:
         tiles, max_q_len = tiles or DECODE_TILES, 1
-        splits = num_splits or decode_splits(
-            num_seqs, num_kv_heads, table_width * block_size, query.device
-        )
+        seen = min(table_width * block_size, sliding_window or NO_WINDOW)  # keys per query
+        splits = num_splits or decode_splits(num_seqs, num_kv_heads, seen, query.device)
         assert splits & (splits - 1) == 0, "num_splits must be a power of two"
     group = num_q_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
@@ -267,6 +274,7 @@ def paged_attention(
         metadata.context_lens,
         metadata.cu_seqlens_q,
         scale * _LOG2E,
+        sliding_window or NO_WINDOW,
         num_q_heads,
         *query.stride(),
         *k_cache.stride(),

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from extkv.kv_cache.layouts import AttentionLayout, get_layout, hybrid_layout
-from extkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
+from extkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class AttentionLayer(Protocol):
 
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None  # optional: None when absent
 
 
 class StateLayer(Protocol):
@@ -179,6 +180,7 @@ class BlockNeeds:
     block_size: int
     has_attention: bool = True
     num_state_groups: int = 0
+    sliding_window: int | None = None  # every attention layer's: older blocks are released
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens holds; what the scheduler must find free."""
@@ -232,9 +234,19 @@ def plan_kv_cache(
     if not attention and not state:
         raise ValueError("the model has no layer that keeps a KV cache or a recurrent state")
 
+    windows = {getattr(layer, "sliding_window", None) for layer in attention.values()}
+    if len(windows) > 1:
+        raise ValueError(
+            f"attention layers with different sliding windows ({sorted(windows, key=str)}) "
+            "need a KV cache group each, which extkv does not have yet"
+        )
+    window = windows.pop() if windows else None
+
     def attention_spec(size: int) -> FullAttentionSpec:
         first = next(iter(attention.values()))
-        return FullAttentionSpec(size, first.num_kv_heads, first.head_dim, dtype)
+        if window is None:
+            return FullAttentionSpec(size, first.num_kv_heads, first.head_dim, dtype)
+        return SlidingWindowSpec(size, first.num_kv_heads, first.head_dim, dtype, window)
 
     def state_spec(size: int) -> MambaSpec:
         first = next(iter(state.values()))
@@ -254,6 +266,7 @@ def plan_kv_cache(
         block_size,
         has_attention=bool(attention),
         num_state_groups=sum(group.spec.kind == "mamba" for group in groups),
+        sliding_window=window,
     )
     return KVCachePlan(tuple(groups), dict.fromkeys(attention, layout), needs)
 

@@ -2,7 +2,7 @@
 
 from extkv.models.bamba import BambaForCausalLM
 from extkv.models.hf_config import ModelFacts, model_facts
-from extkv.models.llama import LlamaForCausalLM
+from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_model import Mamba2ForCausalLM
@@ -14,6 +14,7 @@ __all__ = [
     "LlamaForCausalLM",
     "Mamba2ForCausalLM",
     "Mamba2Mixer",
+    "MistralForCausalLM",
     "ModelFacts",
     "Qwen3ForCausalLM",
     "check_tensor_parallel",

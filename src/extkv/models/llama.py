@@ -39,7 +39,9 @@ class DecoderAttention(nn.Module):
     """A Llama-style layer's self-attention: fused qkv projection, optional per-head q/k norm
     (Qwen3), rotary and paged attention in `Attention`, output projection."""
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim(config)
         # Tensor parallel: each rank holds whole heads, KV heads replicated when the
@@ -55,7 +57,10 @@ class DecoderAttention(nn.Module):
         # Weights only: the attention kernel norms each q and k head itself.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window
+        )
 
     def forward(
         self,
@@ -79,9 +84,11 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each residual add fused into the next norm."""
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, qk_norm)
+        self.self_attn = DecoderAttention(config, qk_norm, sliding_window)
         self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
         )
@@ -106,11 +113,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers and the final norm, one rotary table shared by all layers."""
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qk_norm, sliding_window) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -149,7 +158,18 @@ class LlamaForCausalLM(CausalLM):
     """Llama-style causal LM; module names mirror the HF checkpoint's tensor names."""
 
     qk_norm: ClassVar[bool] = False
+    sliding: ClassVar[bool] = False  # every layer attends over `config.sliding_window`
 
     def __init__(self, config: PretrainedConfig) -> None:
         _check_supported(config)
-        super().__init__(config, DecoderModel(config, self.qk_norm))
+        window = getattr(config, "sliding_window", None) if self.sliding else None
+        if window is not None and window < 1:  # transformers' config checks it is an int
+            raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
+        super().__init__(config, DecoderModel(config, self.qk_norm, window))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama network, each query attending over its last `sliding_window`
+    tokens in every layer (all of them when the config has none)."""
+
+    sliding: ClassVar[bool] = True

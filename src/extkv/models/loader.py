@@ -30,7 +30,7 @@ from extkv.models.bamba import BambaForCausalLM
 from extkv.models.gguf import gguf_tensors
 from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
-from extkv.models.llama import LlamaForCausalLM
+from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.parallel import MergedColumnParallelLinear
 from extkv.models.qwen3 import Qwen3ForCausalLM
@@ -39,6 +39,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 # For configs without `architectures` (GGUF files, some hand-written configs).
@@ -46,6 +47,7 @@ _BY_MODEL_TYPE = {
     "bamba": "BambaForCausalLM",
     "llama": "LlamaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 
