@@ -1,0 +1,116 @@
+"""Compile the decode step's newest Triton kernels for an H100/H200 (sm90) without a GPU.
+
+    python scripts/compile_kernels.py                 # with the installed Triton
+    bash scripts/compile-check [TRITON_VERSION]       # with another one (default 3.6.0,
+                                                      # the GPU machine's), in /tmp
+
+Front-end and back-end errors (a Triton version's typing rules, PTX assembly) show up
+here in seconds, where the device costs minutes: every variant of the GEMV (plain,
+SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
+prefetch) and of the paged attention (splits, PDL) and its merge.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from extkv.kernels import gemv, paged_attention
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(fn: triton.JITFunction, types: dict[str, str], constexprs: dict) -> None:
+    """Compile `fn` with pointer/scalar `types` by argument name (i32 for the rest)."""
+    names = inspect.signature(fn.fn).parameters
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER)
+
+
+def gemv_variants() -> list[tuple[str, dict[str, str], dict]]:
+    variants = []
+    for kind, residual, split, pdl in itertools.product(
+        (0, 1, 2), ("bf16", "fp32"), (1, 4), (0, 1)
+    ):
+        types = {
+            **dict.fromkeys(("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "norm_weight_ptr"), "*bf16"),
+            "partial_ptr": "*fp32",
+            "arrivals_ptr": "*i32",
+            "residual_ptr": f"*{residual}",
+            "residual_out_ptr": f"*{residual}",
+            "w_address": "i64",
+            "eps": "fp32",
+        }
+        constexprs = dict(
+            num_rows=1,  # Triton specializes a batch of one as a constant
+            INPUT=kind,
+            HAS_RESIDUAL=kind == 2,
+            HAS_BIAS=True,
+            BLOCK_N=64,
+            BLOCK_K=128,
+            BLOCK_M=16,
+            SPLIT_K=split,
+            DOT_PRECISION="tf32",
+            PREFETCH=bool(pdl),
+            LINE_ELEMENTS=64,
+            USE_PDL=bool(pdl),
+        )
+        name = f"gemv input={kind} residual={residual} split_k={split} pdl={pdl}"
+        variants.append((name, types, constexprs))
+    return variants
+
+
+def attention_variants() -> list[tuple[str, dict[str, str], dict]]:
+    types = {
+        **dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"),
+        **dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "*fp32"),
+        **dict.fromkeys(("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"), "*i32"),
+        "qk_scale": "fp32",
+    }
+    variants = []
+    for splits, pdl in itertools.product((1, 4), (False, True)):
+        constexprs = dict(
+            GROUP=2,
+            GROUP_P2=2,
+            HEAD_DIM=128,
+            HEAD_DIM_P2=128,
+            BLOCK_SIZE=16,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            NUM_SPLITS=splits,
+            DOT_PRECISION="tf32",
+            USE_PDL=pdl,
+        )
+        variants.append((f"paged attention splits={splits} pdl={pdl:d}", types, constexprs))
+    return variants
+
+
+def main() -> int:
+    print(f"Triton {triton.__version__}, target sm90")
+    jobs = [(gemv._gemv_kernel, v) for v in gemv_variants()]
+    jobs += [(paged_attention._paged_attention_kernel, v) for v in attention_variants()]
+    merge_types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    for pdl in (False, True):
+        merge = dict(HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=4, USE_PDL=pdl)
+        jobs.append(
+            (paged_attention._merge_splits_kernel, (f"merge pdl={pdl:d}", merge_types, merge))
+        )
+    failed = 0
+    for fn, (name, types, constexprs) in jobs:
+        try:
+            compile_for_hopper(fn, types, constexprs)
+            print(f"ok    {name}")
+        except Exception as e:  # a compile error of any kind: report it and go on
+            failed += 1
+            print(f"FAIL  {name}\n{str(e)[-2000:]}")
+    print(f"{len(jobs) - failed} of {len(jobs)} compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
