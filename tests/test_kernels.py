@@ -234,6 +234,18 @@ def test_decode_splits_gpu(num_splits: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+@pytest.mark.parametrize("window", [1, 100, 4096])  # one token, some blocks, all of them
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_sliding_window_gpu(step: str, window: int, num_splits: int | None) -> None:
+    """The blocks before every window are NaN-poisoned: reading one would show."""
+    lens = PREFILL_GPU if step == "prefill" else DECODE_GPU
+    check_attention(
+        "block_major", 16, 4, 128, **lens, **bf16_gpu, num_splits=num_splits, sliding_window=window
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("group", [1, 4])
 def test_varlen_gpu(group: int) -> None:
     check_varlen(group, **bf16_gpu)
