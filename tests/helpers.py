@@ -13,6 +13,8 @@ import torch
 import transformers
 from transformers.models.mamba2 import modeling_mamba2
 
+from extkv import LLM
+from extkv.attention import ForwardContext, set_forward_context
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
 
@@ -150,3 +152,40 @@ def children() -> dict[int, bytes]:
         if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
             found[int(entry)] = cmdline
     return found
+
+
+def hf_greedy(
+    path: Path, prompts: list[list[int]], max_new_tokens: int, **generate: object
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (fp32), `generate`'s keywords added."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **generate)
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """extkv's output token ids of each prompt."""
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@torch.inference_mode()
+def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch.Tensor:
+    """Logits of every token of a packed batch (no KV cache bound: causal per sequence)."""
+    lengths = [len(t) for t in token_ids]
+    context = ForwardContext.packed_prefill(lengths, "cpu")
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with set_forward_context(context):
+        hidden = model(torch.cat(token_ids), positions)
+    return model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def hf_logits(model: transformers.PreTrainedModel, token_ids: list[torch.Tensor]) -> torch.Tensor:
+    """Each prompt run alone, then concatenated like the packed batch."""
+    return torch.cat([model(t[None]).logits[0].float() for t in token_ids])

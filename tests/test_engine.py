@@ -9,13 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 from safetensors import safe_open
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.config import EngineConfig
+from helpers import extkv_tokens, hf_greedy
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 200], [17] * 3, list(range(30, 71)), [250, 3]]
@@ -26,22 +25,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_checkpoint(
         tmp_path_factory.mktemp("llama"), "llama", tie_word_embeddings=False, with_tokenizer=False
     )
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert [o.prompt_token_ids for o in outputs] == prompts
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

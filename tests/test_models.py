@@ -10,9 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from extkv.attention import Attention, ForwardContext, set_forward_context
+from extkv.attention import Attention
 from extkv.models import LlamaForCausalLM, load_model, model_facts
 from extkv.models.hf_config import head_dim
+from helpers import extkv_logits, hf_logits
 
 LENGTHS = (5, 12, 1)
 TINY = dict(
@@ -36,6 +37,14 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,  # wavelengths on both sides and between
+}
+# YaRN with an explicit attention factor (it scales cos and sin) and a ramp mid-head.
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "attention_factor": 1.3,
 }
 
 
@@ -63,23 +72,6 @@ def prompts(vocab_size: int = TINY["vocab_size"]) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (n,), generator=generator) for n in LENGTHS]
 
 
-@torch.inference_mode()
-def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch.Tensor:
-    """Logits of every token of a packed batch (no KV cache bound: causal per sequence)."""
-    lengths = [len(t) for t in token_ids]
-    context = ForwardContext.packed_prefill(lengths, "cpu")
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    with set_forward_context(context):
-        hidden = model(torch.cat(token_ids), positions)
-    return model.compute_logits(hidden)
-
-
-@torch.inference_mode()
-def hf_logits(model: transformers.PreTrainedModel, token_ids: list[torch.Tensor]) -> torch.Tensor:
-    """Each prompt run alone, then concatenated like the packed batch."""
-    return torch.cat([model(t[None]).logits[0].float() for t in token_ids])
-
-
 def rewrite_single_file(path: Path, edit) -> None:
     file = path / "model.safetensors"
     tensors = load_file(file)
@@ -95,8 +87,16 @@ def rewrite_single_file(path: Path, edit) -> None:
         ("llama", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}),
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"rope_parameters": LLAMA3_ROPE}),
+        ("llama", {"rope_parameters": YARN_ROPE}),
     ],
-    ids=["qwen3-untied", "qwen3-tied-bias", "llama-untied-bias", "llama-tied", "llama-rope3"],
+    ids=[
+        "qwen3-untied",
+        "qwen3-tied-bias",
+        "llama-untied-bias",
+        "llama-tied",
+        "llama-rope3",
+        "llama-yarn",
+    ],
 )
 def test_packed_batch_matches_hf(tmp_path: Path, family: str, overrides: dict) -> None:
     hf = make_checkpoint(tmp_path, family, **overrides)
@@ -202,8 +202,8 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(ValueError, match="'yarn'"):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="'dynamic'"):
         LlamaForCausalLM(hf_config("llama", rope_parameters=rope))
 
 

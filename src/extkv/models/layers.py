@@ -66,8 +66,58 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_inv_freq(head_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies (rotary_dim / 2,) in fp32 on the CPU, where HF computes them too.
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(params: dict[str, Any], max_position: int) -> float:
+    """The context stretch: `factor`, else (DeepSeek-V3 style configs) the ratio of the
+    context to the pretraining one."""
+    return params.get("factor") or max_position / params.get(
+        "original_max_position_embeddings", max_position
+    )
+
+
+def _yarn_inv_freq(
+    pos_freqs: torch.Tensor, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the pretraining context
+    are interpolated (divided by the factor), those turning more than `beta_fast` times
+    kept, a linear ramp between; cos/sin are scaled by the attention factor."""
+    factor = _yarn_factor(params, max_position)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = _yarn_mscale(factor)
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    rotary_dim, theta = 2 * pos_freqs.numel(), params["rope_theta"]
+    old_context = params.get("original_max_position_embeddings", max_position)
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times
+        return rotary_dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = (
+        dim_turning(params.get("beta_fast") or 32),
+        dim_turning(params.get("beta_slow") or 1),
+    )
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)
+    kept = 1 - ramp.clamp(0, 1)
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+    return inv_freq, float(attention_factor)
+
+
+def rope_frequencies(
+    head_dim: int, max_position: int, params: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (rotary_dim / 2,) in fp32 on the CPU, where HF computes them too,
+    and the factor cos and sin are scaled by (YaRN's attention factor; 1 otherwise).
 
     `partial_rotary_factor` (Bamba: 0.5) rotates only the leading
     `rotary_dim = head_dim * factor` channels of each head.
@@ -75,20 +125,35 @@ def rope_inv_freq(head_dim: int, max_position: int, params: dict[str, Any]) -> t
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     theta = params["rope_theta"]
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
-    inv_freq = 1.0 / (theta**exponents)
+    pos_freqs = theta**exponents
+    inv_freq = 1.0 / pos_freqs
     rope_type = params["rope_type"]
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "llama3":
         params = {"original_max_position_embeddings": max_position, **params}
-        return _llama3_inv_freq(inv_freq, params)
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(pos_freqs, params, max_position)
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported; extkv supports 'default', 'llama3'"
+        f"rope_type {rope_type!r} is not supported; extkv supports 'default', 'llama3', 'yarn'"
     )
 
 
+def mla_softmax_scale(qk_head_dim: int, params: dict[str, Any], max_position: int) -> float:
+    """DeepSeek's softmax scale: 1/sqrt(qk_head_dim), times YaRN's `mscale_all_dim`
+    correction squared when the rope is scaled (it scales the non-rotary dims too)."""
+    scale = qk_head_dim**-0.5
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all_dim:
+        mscale = _yarn_mscale(_yarn_factor(params, max_position), mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to `max_position`, computed once in fp32.
+    """cos/sin of every position up to `max_position`, computed once in fp32 (YaRN: both
+    scaled by its attention factor, as HF does).
 
     `cos_sin_cache` (max_position, rotary_dim): each row the cos then the sin of
     its rotary_dim / 2 frequencies. The attention kernel gathers rows by position
@@ -99,10 +164,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(head_dim, max_position, params).to(positions)
-        self.register_buffer(
-            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
-        )
+        inv_freq, scale = rope_frequencies(head_dim, max_position, params)
+        freqs = positions[:, None] * inv_freq.to(positions)
+        cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
 
 class GatedMLP(nn.Module):
