@@ -20,6 +20,7 @@ SMALL = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=128, max_num_seqs=4
 class FakeAttention:
     num_kv_heads: int = 2
     head_dim: int = 16
+    latent_cache: bool = False
 
 
 class FakeMixer:
@@ -39,6 +40,14 @@ def test_dense_plan_has_one_group_and_the_configured_block_size() -> None:
         plan.bytes_per_block == 3 * 2 * 16 * 2 * 16 * 2
     )  # layers * K+V * tokens * heads * dim * bytes
     assert {layout.name for layout in plan.layouts.values()} == {"block_major"}
+
+
+def test_mla_plan_keeps_one_latent_row_per_token_in_the_mla_layout() -> None:
+    layers = {f"layers.{i}.attn": FakeAttention(1, 48, latent_cache=True) for i in range(2)}
+    plan = plan_kv_cache(layers, {}, torch.float32, 16, "split")  # kv_layout has no say
+    assert {type(g.spec).__name__ for g in plan.groups} == {"MLASpec"}
+    assert plan.bytes_per_block == 2 * 16 * 48 * 4  # layers * tokens * row * bytes
+    assert {layout.name for layout in plan.layouts.values()} == {"mla"}
 
 
 @pytest.mark.parametrize(("num_attention", "num_mamba"), [(1, 4), (2, 5), (4, 1), (3, 3)])

@@ -23,6 +23,16 @@ Continuous batching lets new requests join while others are still decoding.
 The quick brown fox jumps over the lazy dog. Once upon a time there was a model.
 Numbers like 1, 2, 3, 42 and 2026 appear in text, as do questions? And answers!
 """
+# Tiny multi-head latent attention with dense MLPs only (first_k_dense_replace past any
+# tiny layer count): 48 values a token and layer in the KV cache (latent 32 + rope 16).
+_MLA_TINY: dict[str, object] = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    first_k_dense_replace=64,
+)
 # architecture -> (transformers config class, model class, tiny defaults of its own)
 _ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
@@ -41,6 +51,12 @@ _ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
             mamba_chunk_size=16,
         ),
     ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {**_MLA_TINY, "q_lora_rank": None},
+    ),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**_MLA_TINY, "q_lora_rank": 24}),
     "mamba2": (
         "Mamba2Config",
         "Mamba2ForCausalLM",

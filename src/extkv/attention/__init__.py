@@ -8,11 +8,13 @@ from extkv.attention.metadata import (
     get_forward_context,
     set_forward_context,
 )
+from extkv.attention.mla import MLAAttention
 
 __all__ = [
     "Attention",
     "AttentionMetadata",
     "ForwardContext",
+    "MLAAttention",
     "MambaMetadata",
     "get_forward_context",
     "set_forward_context",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ class Attention(nn.Module):
     Before binding (the profiling run) attention runs on the step's own K/V, window
     or not (only its memory counts there).
     """
+
+    latent_cache: ClassVar[bool] = False  # K and V per head (MLA keeps one latent instead)
 
     def __init__(
         self,

@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 
 from extkv.attention.metadata import AttentionMetadata
-from extkv.attention.reference import paged_attention_reference, varlen_attention_reference
+from extkv.attention.reference import (
+    paged_attention_reference,
+    store_rows,
+    varlen_attention_reference,
+)
 
 
 def qk_norm_rope(
@@ -100,3 +104,15 @@ def varlen_attention(
 
         return varlen_attention_triton(query, key, value, cu_seqlens, scale)
     return varlen_attention_reference(query, key, value, cu_seqlens, scale)
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write latent (T, 1, D) into a paged MLA cache (num_blocks, block_size, 1, D) at
+    slot_mapping (-1 skips): the K/V store kernel on CUDA (graph-safe; it writes the one
+    row as both K and V, the same bytes twice), the torch reference elsewhere."""
+    if latent.is_cuda:
+        from extkv.kernels.store_kv import store_kv
+
+        store_kv(latent, latent, cache, cache, slot_mapping)
+    else:
+        store_rows(latent, cache, slot_mapping)

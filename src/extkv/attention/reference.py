@@ -21,6 +21,15 @@ import torch.nn.functional as F
 from extkv.attention.metadata import AttentionMetadata
 
 
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write row `t` of `rows` (T, ...) to slot `slot_mapping[t]` of a paged cache
+    (num_blocks, block_size, ...); -1 skips it."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = cache.shape[1]
+    cache[slots // block_size, slots % block_size] = rows[keep].to(cache.dtype)
+
+
 def store_kv_reference(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -29,12 +38,20 @@ def store_kv_reference(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write token `t` of key/value (T, H, D) to slot `slot_mapping[t]`; -1 skips it."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    store_rows(key, k_cache, slot_mapping)
+    store_rows(value, v_cache, slot_mapping)
+
+
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int, first_block: int = 0
+) -> torch.Tensor:
+    """The token rows of a sequence's first `context_len` tokens in a paged cache
+    (num_blocks, block_size, ...), through its block table row, from block `first_block`
+    on (the blocks before it may be released: a sliding window)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    rows = cache[block_table[first_block:num_blocks].long()].flatten(0, 1)
+    return rows[: context_len - first_block * block_size]
 
 
 # Queries per masked scaled_dot_product_attention call (a prompt continuing a cached
@@ -149,18 +166,15 @@ def paged_attention_reference(
     """query (T, Hq, D) against each sequence's cached context (its last `sliding_window`
     tokens per query, with a window); returns (T, Hq, D)."""
     out = torch.empty_like(query)
-    block_size = k_cache.shape[1]
     cu = metadata.cu_seqlens_q.tolist()
     for s, context_len in enumerate(metadata.context_lens.tolist()):
         q = query[cu[s] : cu[s + 1]]
         # From the block of the first key the first query sees: the blocks before it, out
         # of every window, may be freed. Positions are relative, so the window is too.
         seen = 0 if sliding_window is None else context_len - len(q) - sliding_window + 1
-        first_block = max(0, seen) // block_size
-        num_blocks = -(-context_len // block_size)
-        blocks = metadata.block_tables[s, first_block:num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[: context_len - first_block * block_size]
-        v = v_cache[blocks].flatten(0, 1)[: context_len - first_block * block_size]
+        first_block = max(0, seen) // k_cache.shape[1]
+        k = gather_context(k_cache, metadata.block_tables[s], context_len, first_block)
+        v = gather_context(v_cache, metadata.block_tables[s], context_len, first_block)
         out[cu[s] : cu[s + 1]] = causal_attention(q, k, v, scale, sliding_window)
     return out
 

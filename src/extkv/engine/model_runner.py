@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from extkv.attention import Attention, ForwardContext, set_forward_context
+from extkv.attention import Attention, ForwardContext, MLAAttention, set_forward_context
 from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
@@ -47,10 +47,13 @@ from extkv.models import Mamba2Mixer
 logger = logging.getLogger(__name__)
 
 
-def cache_layers(model: nn.Module) -> tuple[dict[str, Attention], dict[str, Mamba2Mixer]]:
-    """The model's layers that keep a cache: attention layers and Mamba mixers, by name."""
+def cache_layers(
+    model: nn.Module,
+) -> tuple[dict[str, Attention | MLAAttention], dict[str, Mamba2Mixer]]:
+    """The model's layers that keep a cache: attention layers (MLA's too) and Mamba mixers,
+    by name."""
     modules = dict(model.named_modules())
-    attention = {name: m for name, m in modules.items() if isinstance(m, Attention)}
+    attention = {name: m for name, m in modules.items() if isinstance(m, (Attention, MLAAttention))}
     mixers = {name: m for name, m in modules.items() if isinstance(m, Mamba2Mixer)}
     return attention, mixers
 

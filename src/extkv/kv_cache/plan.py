@@ -29,7 +29,14 @@ from typing import Protocol
 import torch
 
 from extkv.kv_cache.layouts import AttentionLayout, get_layout, hybrid_layout
-from extkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from extkv.kv_cache.specs import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +160,12 @@ def _hybrid_groups(groups: Sequence[KVCacheGroup]) -> list[KVCacheGroup]:
 
 
 class AttentionLayer(Protocol):
-    """What the plan reads of an attention layer."""
+    """What the plan reads of an attention layer: K and V of its heads per token, or with
+    `latent_cache` (MLA) one row of `head_dim` values."""
 
     num_kv_heads: int
     head_dim: int
+    latent_cache: bool
     sliding_window: int | None  # optional: None when absent
 
 
@@ -230,9 +239,13 @@ def plan_kv_cache(
     A hybrid model shares pages between attention and Mamba state, so an attention
     page must hold a whole state: the block size is raised to the next power of two
     that does, and the attention layers are re-strided so that K and V of a block lie
-    in one page (one segment; see layouts.hybrid_layout)."""
+    in one page (one segment; see layouts.hybrid_layout).
+
+    MLA layers keep one latent row per token, in the `mla` layout whatever `kv_layout`
+    says (that option places K and V, which an MLA cache does not have)."""
     if not attention and not state:
         raise ValueError("the model has no layer that keeps a KV cache or a recurrent state")
+    latent = bool(attention) and next(iter(attention.values())).latent_cache
 
     windows = {getattr(layer, "sliding_window", None) for layer in attention.values()}
     if len(windows) > 1:
@@ -242,8 +255,10 @@ def plan_kv_cache(
         )
     window = windows.pop() if windows else None
 
-    def attention_spec(size: int) -> FullAttentionSpec:
+    def attention_spec(size: int) -> AttentionSpec:
         first = next(iter(attention.values()))
+        if latent:
+            return MLASpec(size, first.head_dim, dtype)
         if window is None:
             return FullAttentionSpec(size, first.num_kv_heads, first.head_dim, dtype)
         return SlidingWindowSpec(size, first.num_kv_heads, first.head_dim, dtype, window)
@@ -253,7 +268,7 @@ def plan_kv_cache(
         return MambaSpec(size, first.state_shapes(), first.state_dtypes())
 
     groups: list[KVCacheGroup] = []
-    layout = get_layout(kv_layout)
+    layout = get_layout("mla" if latent else kv_layout)
     if attention and state:
         block_size = _block_size_holding(attention_spec(block_size), state_spec(block_size))
         layout = hybrid_layout(layout)
@@ -271,7 +286,7 @@ def plan_kv_cache(
     return KVCachePlan(tuple(groups), dict.fromkeys(attention, layout), needs)
 
 
-def _block_size_holding(attention: FullAttentionSpec, state: MambaSpec) -> int:
+def _block_size_holding(attention: AttentionSpec, state: MambaSpec) -> int:
     """The block size whose attention page holds one whole state: the configured one, or
     the next power of two above it that does."""
     if state.page_size_bytes <= attention.page_size_bytes:

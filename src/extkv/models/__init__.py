@@ -1,6 +1,7 @@
 """Model implementations and the Hugging Face checkpoint loader."""
 
 from extkv.models.bamba import BambaForCausalLM
+from extkv.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from extkv.models.hf_config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
@@ -11,6 +12,8 @@ from extkv.models.qwen3 import Qwen3ForCausalLM
 __all__ = [
     "MODEL_REGISTRY",
     "BambaForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "Mamba2ForCausalLM",
     "Mamba2Mixer",

@@ -7,6 +7,7 @@ cache) in the forward context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -82,13 +83,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then MLP, each residual add fused into the next norm."""
+    """Pre-norm attention then MLP, each residual add fused into the next norm.
 
-    def __init__(
-        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
-    ) -> None:
+    `self_attn` is any attention sublayer called as `DecoderAttention` is (Llama's, MLA's)."""
+
+    def __init__(self, config: PretrainedConfig, self_attn: nn.Module) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, qk_norm, sliding_window)
+        self.self_attn = self_attn
         self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
         )
@@ -111,15 +112,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, the decoder layers and the final norm, one rotary table shared by all layers."""
+    """Embedding, the decoder layers and the final norm, one rotary table shared by all layers;
+    `make_attention` builds each layer's attention sublayer. The table rotates `head_dim`
+    channels (DeepSeek configs set it to their rotary part, qk_rope_head_dim)."""
 
-    def __init__(
-        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, make_attention: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qk_norm, sliding_window) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, make_attention()) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -165,7 +166,9 @@ class LlamaForCausalLM(CausalLM):
         window = getattr(config, "sliding_window", None) if self.sliding else None
         if window is not None and window < 1:  # transformers' config checks it is an int
             raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
-        super().__init__(config, DecoderModel(config, self.qk_norm, window))
+        super().__init__(
+            config, DecoderModel(config, lambda: DecoderAttention(config, self.qk_norm, window))
+        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,239 @@
+"""DeepSeek V2/V3 (multi-head latent attention, dense MLPs) on the CPU in fp32: extkv
+greedy equals transformers, legacy equals extensible, the KV cache holds one latent row
+per token and layer, and configs extkv cannot run are refused naming the field."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from extkv import LLM, SamplingParams
+from extkv.attention import AttentionMetadata
+from extkv.attention.reference import paged_attention_reference, store_rows
+from extkv.demo import make_random_checkpoint
+from extkv.models import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, check_tensor_parallel
+from extkv.models.loader import load_model
+from helpers import extkv_logits, extkv_tokens, hf_greedy, hf_logits
+
+# V2-Lite's rope: YaRN with both mscales set and unequal, so the cos/sin factor and the
+# softmax scale's correction both differ from 1.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+LATENT, ROPE = 32, 16  # demo._MLA_TINY's kv_lora_rank, qk_rope_head_dim
+LAYERS = 3
+# Block size 16: two prompts span several blocks; a step of at most 32 tokens cuts the
+# 45-token prompt into chunks, the later ones attending to a cached prefix.
+SMALL = dict(
+    cpu_memory_budget_bytes=128 << 20,
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    block_size=16,
+)
+PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [17] * 20, [250, 3]]
+# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 20 tokens.
+GREEDY = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+
+
+def checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
+    return make_random_checkpoint(
+        path, architecture, num_hidden_layers=LAYERS, with_tokenizer=False, **overrides
+    )
+
+
+@pytest.fixture(scope="module", params=["v2", "v3"])
+def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope."""
+    path = tmp_path_factory.mktemp(f"deepseek_{request.param}")
+    return checkpoint(path, f"deepseek_{request.param}", rope_parameters=YARN)
+
+
+def hf_greedy_min(path: Path) -> list[list[int]]:
+    """transformers' greedy tokens, EOS held back as `GREEDY.min_tokens` does."""
+    return hf_greedy(path, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("deepseek_v2", {"rope_parameters": YARN}),
+        ("deepseek_v3", {"rope_parameters": YARN}),
+        ("deepseek_v3", {"rope_interleave": False, "tie_word_embeddings": False}),
+        ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True}),
+    ],
+    ids=["v2-yarn", "v3-yarn", "v3-halves-untied", "v3-bias"],
+)
+def test_packed_prefill_logits_match_transformers(
+    tmp_path: Path, architecture: str, overrides: dict
+) -> None:
+    checkpoint(tmp_path, architecture, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model, _ = load_model(tmp_path, torch.float32, "cpu")
+    token_ids = [torch.tensor(p) for p in PROMPTS]
+    torch.testing.assert_close(
+        extkv_logits(model, token_ids), hf_logits(hf, token_ids), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_greedy_matches_transformers(deepseek: Path) -> None:
+    expected = hf_greedy_min(deepseek)
+    llm = LLM(deepseek, enable_extensible_kv_cache=True, **SMALL)
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
+
+
+def assert_latent_cache(llm: LLM) -> None:
+    """Per token and layer the KV cache holds kv_lora_rank + qk_rope_head_dim values."""
+    report = llm.memory_report()
+    block_size = SMALL["block_size"]
+    assert report["bytes_per_block"] == LAYERS * block_size * (LATENT + ROPE) * 4  # fp32
+    assert report["kv_cache_bytes"] >= report["num_blocks"] * report["bytes_per_block"]
+    cache = llm.engine.kv_cache
+    assert len(cache.layer_views) == LAYERS
+    for view in cache.layer_views.values():
+        assert view.shape == (cache.capacity_blocks, block_size, LATENT + ROPE)
+
+
+def test_legacy_and_extensible_are_identical_over_latent_caches(deepseek: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    outputs = []
+    for extensible in (False, True):
+        llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **SMALL)
+        assert llm.memory_report()["extensible"] is extensible
+        assert_latent_cache(llm)
+        run = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in run])
+    legacy, extensible = outputs
+    assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]
+    assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]  # to the bit
+
+
+def test_prefix_caching_keeps_outputs(deepseek: Path) -> None:
+    """Later requests start from the cached latents of the shared 32-token prefix."""
+    shared = list(range(100, 132))
+    prompts_ = [[*shared, 1, 2, 3], [*shared, 4, 5], shared]
+    plain = LLM(deepseek, **SMALL)
+    cached = LLM(deepseek, enable_prefix_caching=True, **SMALL)
+    expected = extkv_tokens(plain, prompts_, GREEDY)
+    assert [extkv_tokens(cached, [p], GREEDY)[0] for p in prompts_] == expected
+
+
+def tiny_config(version: str, **overrides: object) -> transformers.PretrainedConfig:
+    config_class = {"v2": transformers.DeepseekV2Config, "v3": transformers.DeepseekV3Config}
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        q_lora_rank=None,
+        first_k_dense_replace=2,
+    )
+    return config_class[version](**{**fields, **overrides})
+
+
+MODELS = {"v2": DeepseekV2ForCausalLM, "v3": DeepseekV3ForCausalLM}
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_mixture_of_experts_layers_are_refused(version: str) -> None:
+    config = tiny_config(version, first_k_dense_replace=1, n_routed_experts=4)
+    with pytest.raises(ValueError, match=r"layers 1\.\.1 .*n_routed_experts=4.*first_k_dense"):
+        MODELS[version](config)
+
+
+def test_unsupported_rope_type_lists_the_supported_ones() -> None:
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match=r"'linear'.*'default', 'llama3', 'yarn'"):
+        DeepseekV3ForCausalLM(tiny_config("v3", rope_parameters=rope))
+
+
+def test_heads_the_ranks_cannot_split_are_refused(tmp_path: Path) -> None:
+    tiny_config("v2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_attention_"):
+        check_tensor_parallel(tmp_path, 3)
+
+
+@pytest.mark.parametrize("deepseek", ["v3"], indirect=True)
+def test_two_ranks_equal_one(deepseek: Path) -> None:
+    """Each rank holds two of the four heads and the whole latent (gloo on the CPU)."""
+    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
+    llm = LLM(deepseek, tensor_parallel_size=2, **SMALL)
+    try:
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.close()
+
+
+def check_decode_kernels() -> None:
+    """What MLA decode runs on CUDA, the latent store (the K/V store kernel writing one row
+    as both) and the paged attention kernel as multi-query attention over the latent rows
+    (one KV head, the row as key and value), against the CPU reference."""
+    from extkv.kernels.paged_attention import paged_attention
+    from extkv.kernels.store_kv import store_kv
+
+    torch.manual_seed(0)
+    block_size, num_heads, row = 4, 4, LATENT + ROPE
+    context_lens = [1, 9, 30]
+    pages = [-(-n // block_size) for n in context_lens]
+    owned = torch.randperm(16)[: sum(pages)].to(torch.int32).split(pages)
+    block_tables = torch.zeros(len(pages), max(pages) + 1, dtype=torch.int32)
+    for s, blocks in enumerate(owned):
+        block_tables[s, : len(blocks)] = blocks
+    # Each sequence's new token is its last: that position's slot in its blocks.
+    slots = [
+        int(blocks[(n - 1) // block_size]) * block_size + (n - 1) % block_size
+        for blocks, n in zip(owned, context_lens, strict=True)
+    ]
+    metadata = AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=torch.tensor([*slots[:2], -1]),  # the last row: padding, not written
+        cu_seqlens_q=torch.arange(len(pages) + 1, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_seqlen_q=1,
+        max_context_len=max(context_lens),
+    )
+    cache = torch.randn(16, block_size, 1, row)
+    expected = cache.clone()
+    latent = torch.randn(len(pages), 1, row)
+    store_rows(latent, expected, metadata.slot_mapping)
+    store_kv(latent, latent, cache, cache, metadata.slot_mapping)
+    assert torch.equal(cache, expected)
+    query = torch.randn(len(pages), num_heads, row)
+    out = paged_attention(query, cache, cache, metadata, 0.2, num_splits=2)
+    ref = paged_attention_reference(query, expected, expected, metadata, 0.2)
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_decode_kernels_interpreted() -> None:
+    """Triton picks its interpreter when kernels are decorated: a subprocess (as in
+    test_kernels)."""
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    check_decode_kernels()
