@@ -27,7 +27,7 @@ YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
     "factor": 4.0,
-    "original_max_position_embeddings": 64,
+    "original_max_position_embeddings": 256,  # 4 x 256: the checkpoints' 1024 positions
     "mscale": 1.0,
     "mscale_all_dim": 0.8,
     "beta_fast": 32,
@@ -44,9 +44,9 @@ SMALL = dict(
     max_num_batched_tokens=32,
     block_size=16,
 )
-PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [17] * 20, [250, 3]]
-# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 20 tokens.
-GREEDY = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [17] * 20]
+# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 16 tokens.
+GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
 
 
 def checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
@@ -60,11 +60,6 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope."""
     path = tmp_path_factory.mktemp(f"deepseek_{request.param}")
     return checkpoint(path, f"deepseek_{request.param}", rope_parameters=YARN)
-
-
-def hf_greedy_min(path: Path) -> list[list[int]]:
-    """transformers' greedy tokens, EOS held back as `GREEDY.min_tokens` does."""
-    return hf_greedy(path, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
 
 
 @pytest.mark.parametrize(
@@ -90,10 +85,26 @@ def test_packed_prefill_logits_match_transformers(
 
 
 def test_greedy_matches_transformers(deepseek: Path) -> None:
-    expected = hf_greedy_min(deepseek)
+    expected = hf_greedy(deepseek, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
     llm = LLM(deepseek, enable_extensible_kv_cache=True, **SMALL)
     assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
+
+
+def test_chunked_prefill_over_cached_latents_matches_transformers(deepseek: Path) -> None:
+    """The 45-token prompt goes in chunks of 32 and 13, the second attending to latents the
+    first cached: its prompt logprobs equal transformers' of the whole prompt."""
+    prompt = PROMPTS[1]
+    llm = LLM(deepseek, **SMALL)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    [output] = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    entries = zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+    got = [entry[token].logprob for entry, token in entries]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    want = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4)
 
 
 def assert_latent_cache(llm: LLM) -> None:
@@ -108,8 +119,9 @@ def assert_latent_cache(llm: LLM) -> None:
         assert view.shape == (cache.capacity_blocks, block_size, LATENT + ROPE)
 
 
+@pytest.mark.parametrize("deepseek", ["v2"], indirect=True)
 def test_legacy_and_extensible_are_identical_over_latent_caches(deepseek: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outputs = []
     for extensible in (False, True):
         llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **SMALL)
@@ -122,6 +134,7 @@ def test_legacy_and_extensible_are_identical_over_latent_caches(deepseek: Path) 
     assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]  # to the bit
 
 
+@pytest.mark.parametrize("deepseek", ["v3"], indirect=True)
 def test_prefix_caching_keeps_outputs(deepseek: Path) -> None:
     """Later requests start from the cached latents of the shared 32-token prefix."""
     shared = list(range(100, 132))

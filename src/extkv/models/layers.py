@@ -107,7 +107,8 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
-    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)
+    ramp = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = (ramp - low) / (high - low)
     kept = 1 - ramp.clamp(0, 1)
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
     return inv_freq, float(attention_factor)
