@@ -1,6 +1,7 @@
-"""DeepSeek V2/V3 (multi-head latent attention, dense MLPs) on the CPU in fp32: extkv
-greedy equals transformers, legacy equals extensible, the KV cache holds one latent row
-per token and layer, and configs extkv cannot run are refused naming the field."""
+"""DeepSeek V2/V3 (multi-head latent attention, dense and mixture-of-experts MLPs) on the
+CPU in fp32: extkv greedy equals transformers, legacy equals extensible, the KV cache holds
+one latent row per token and layer, and configs extkv cannot run are refused naming the
+field."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from extkv import LLM, SamplingParams
 from extkv.attention import AttentionMetadata
@@ -49,17 +51,41 @@ PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [17] * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
 
 
+# Layers 1 and 2 route each token to 2 of 8 experts in 2 groups (1 kept), plus a shared one.
+MOE = dict(
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+)
+
+
 def checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
-    return make_random_checkpoint(
+    """A tiny random checkpoint; V3's expert score correction (zeros from transformers'
+    init) drawn at random, so that it counts."""
+    make_random_checkpoint(
         path, architecture, num_hidden_layers=LAYERS, with_tokenizer=False, **overrides
     )
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(std=0.3, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
 
 
-@pytest.fixture(scope="module", params=["v2", "v3"])
+@pytest.fixture(scope="module", params=["v2", "v3", "v3-moe"])
 def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope."""
+    """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope;
+    V3 with mixture-of-experts layers."""
+    version, _, moe = request.param.partition("-")
     path = tmp_path_factory.mktemp(f"deepseek_{request.param}")
-    return checkpoint(path, f"deepseek_{request.param}", rope_parameters=YARN)
+    return checkpoint(path, f"deepseek_{version}", rope_parameters=YARN, **(MOE if moe else {}))
 
 
 @pytest.mark.parametrize(
@@ -69,8 +95,19 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         ("deepseek_v3", {"rope_parameters": YARN}),
         ("deepseek_v3", {"rope_interleave": False, "tie_word_embeddings": False}),
         ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True}),
+        ("deepseek_v2", MOE),
+        ("deepseek_v2", {**MOE, "topk_method": "group_limited_greedy", "mlp_bias": True}),
+        ("deepseek_v3", {**MOE, "norm_topk_prob": False}),
     ],
-    ids=["v2-yarn", "v3-yarn", "v3-halves-untied", "v3-bias"],
+    ids=[
+        "v2-yarn",
+        "v3-yarn",
+        "v3-halves-untied",
+        "v3-bias",
+        "v2-moe-greedy",
+        "v2-moe-groups-bias",
+        "v3-moe-unnormalised",
+    ],
 )
 def test_packed_prefill_logits_match_transformers(
     tmp_path: Path, architecture: str, overrides: dict
@@ -164,14 +201,19 @@ def tiny_config(version: str, **overrides: object) -> transformers.PretrainedCon
     return config_class[version](**{**fields, **overrides})
 
 
-MODELS = {"v2": DeepseekV2ForCausalLM, "v3": DeepseekV3ForCausalLM}
+def test_unsupported_expert_routing_is_refused() -> None:
+    config = tiny_config("v2", **MOE, topk_method="noaux_tc")
+    with pytest.raises(ValueError, match=r"topk_method 'noaux_tc'.*'greedy', 'group_limited"):
+        DeepseekV2ForCausalLM(config)
+    config = tiny_config("v3", **{**MOE, "n_group": None})
+    with pytest.raises(ValueError, match=r"needs n_group and topk_group; got n_group=None"):
+        DeepseekV3ForCausalLM(config)
 
 
-@pytest.mark.parametrize("version", ["v2", "v3"])
-def test_mixture_of_experts_layers_are_refused(version: str) -> None:
-    config = tiny_config(version, first_k_dense_replace=1, n_routed_experts=4)
-    with pytest.raises(ValueError, match=r"layers 1\.\.1 .*n_routed_experts=4.*first_k_dense"):
-        MODELS[version](config)
+def test_experts_on_several_ranks_are_refused(tmp_path: Path) -> None:
+    tiny_config("v3", **MOE).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: DeepSeek mixture-of-experts"):
+        check_tensor_parallel(tmp_path, 2)
 
 
 def test_unsupported_rope_type_lists_the_supported_ones() -> None:

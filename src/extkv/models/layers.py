@@ -191,3 +191,8 @@ class GatedMLP(nn.Module):
         into the gate/up projection and the activation into the down projection."""
         gate_up, residual = self.gate_up_proj.normed(x, residual, norm)
         return self.down_proj(gate_up, gated=True), residual
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of x as it is, no norm before: a mixture-of-experts layer's
+        experts, which take the rows the layer's one norm produced."""
+        return self.down_proj(self.gate_up_proj(x), gated=True)

@@ -85,12 +85,15 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each residual add fused into the next norm.
 
-    `self_attn` is any attention sublayer called as `DecoderAttention` is (Llama's, MLA's)."""
+    `self_attn` is any attention sublayer called as `DecoderAttention` is (Llama's, MLA's),
+    `mlp` any called as `GatedMLP` is (None: the config's GatedMLP; DeepSeek's experts)."""
 
-    def __init__(self, config: PretrainedConfig, self_attn: nn.Module) -> None:
+    def __init__(
+        self, config: PretrainedConfig, self_attn: nn.Module, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = GatedMLP(
+        self.mlp = mlp or GatedMLP(
             config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -113,15 +116,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers and the final norm, one rotary table shared by all layers;
-    `make_attention` builds each layer's attention sublayer. The table rotates `head_dim`
-    channels (DeepSeek configs set it to their rotary part, qk_rope_head_dim)."""
+    `make_layer(i)` builds layer i. The table rotates `head_dim` channels (DeepSeek configs
+    set it to their rotary part, qk_rope_head_dim)."""
 
-    def __init__(self, config: PretrainedConfig, make_attention: Callable[[], nn.Module]) -> None:
+    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, make_attention()) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             head_dim(config), config.max_position_embeddings, rope_parameters(config)
@@ -166,9 +167,11 @@ class LlamaForCausalLM(CausalLM):
         window = getattr(config, "sliding_window", None) if self.sliding else None
         if window is not None and window < 1:  # transformers' config checks it is an int
             raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
-        super().__init__(
-            config, DecoderModel(config, lambda: DecoderAttention(config, self.qk_norm, window))
-        )
+
+        def layer(i: int) -> DecoderLayer:
+            return DecoderLayer(config, DecoderAttention(config, self.qk_norm, window))
+
+        super().__init__(config, DecoderModel(config, layer))
 
 
 class MistralForCausalLM(LlamaForCausalLM):
