@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
+from helpers import extkv_tokens, hf_greedy
 
 WINDOW = 12  # a block and a half
 # Longer than the window (several blocks of 8), shorter, and one block exactly.
@@ -28,25 +28,13 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 def extkv_greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return extkv_tokens(llm, prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
 def expected(mistral: Path) -> list[list[int]]:
-    tokens = hf_greedy(mistral, PROMPTS)
+    tokens = hf_greedy(mistral, PROMPTS, GREEDY.max_tokens)
     assert len({tuple(t) for t in tokens}) > 1  # the model does not babble one token
     return tokens
 
@@ -117,9 +105,7 @@ def test_a_long_generation_holds_a_window_of_blocks(mistral: Path) -> None:
     long = LLM(mistral, **SMALL, enable_extensible_kv_cache=True)
     again = long.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
-    expected = transformers.AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32)
-    ids = expected.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=150, do_sample=False)
-    assert out[0].outputs[0].token_ids == ids[0, len(PROMPTS[0]) :].tolist()
+    assert [out[0].outputs[0].token_ids] == hf_greedy(mistral, PROMPTS[:1], 150)
 
 
 def test_prefix_caching_is_refused_with_a_window(mistral: Path) -> None:
