@@ -38,6 +38,17 @@ _ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            num_hidden_layers=3,
+        ),
+    ),
     "bamba": (
         "BambaConfig",
         "BambaForCausalLM",

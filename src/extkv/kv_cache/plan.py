@@ -247,13 +247,10 @@ def plan_kv_cache(
         raise ValueError("the model has no layer that keeps a KV cache or a recurrent state")
     latent = bool(attention) and next(iter(attention.values())).latent_cache
 
+    # One block table serves every attention layer: a block is released once it is out
+    # of every layer's window (never beside a global layer, whose window is everything).
     windows = {getattr(layer, "sliding_window", None) for layer in attention.values()}
-    if len(windows) > 1:
-        raise ValueError(
-            f"attention layers with different sliding windows ({sorted(windows, key=str)}) "
-            "need a KV cache group each, which extkv does not have yet"
-        )
-    window = windows.pop() if windows else None
+    window = None if None in windows or not windows else max(windows)
 
     def attention_spec(size: int) -> AttentionSpec:
         first = next(iter(attention.values()))

@@ -2,6 +2,7 @@
 
 from extkv.models.bamba import BambaForCausalLM
 from extkv.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from extkv.models.gemma3 import Gemma3ForCausalLM
 from extkv.models.hf_config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
 from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
@@ -14,6 +15,7 @@ __all__ = [
     "BambaForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "Mamba2ForCausalLM",
     "Mamba2Mixer",

@@ -113,15 +113,18 @@ def num_kv_heads(config: PretrainedConfig) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
     """RoPE settings as one dict with `rope_type` and `rope_theta` always present.
 
-    transformers 5 keeps them in `rope_parameters`; older configs use
-    `rope_theta` plus an optional `rope_scaling` whose type key may be `type`.
+    transformers 5 keeps them in `rope_parameters` (per layer type in models with local
+    and global layers: `layer_type`'s); older configs use `rope_theta` plus an optional
+    `rope_scaling` whose type key may be `type`.
     """
     params = dict(
         getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     )
+    if layer_type is not None and layer_type in params:
+        params = dict(params[layer_type])
     params.setdefault("rope_type", params.pop("type", "default"))
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None)
     if theta is None:

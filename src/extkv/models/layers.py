@@ -52,6 +52,20 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
+    copy_weight(param.data, loaded.float() + 1.0)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x * (1 + w) in fp32: the checkpoint's w is loaded plus one, so the
+    Llama norm (and the kernels it fuses into) computes it; exact in fp32, one rounding of
+    1 + w in bf16."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.weight.weight_loader = _load_plus_one
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
     blend in between."""
@@ -134,10 +148,13 @@ def rope_frequencies(
     if rope_type == "llama3":
         params = {"original_max_position_embeddings": max_position, **params}
         return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "linear":  # positions slowed down by `factor` (Gemma 3's global layers)
+        return inv_freq / params["factor"], 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(pos_freqs, params, max_position)
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported; extkv supports 'default', 'llama3', 'yarn'"
+        f"rope_type {rope_type!r} is not supported; extkv supports 'default', 'linear', "
+        "'llama3', 'yarn'"
     )
 
 
@@ -172,11 +189,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up fused into one matmul; under tensor parallelism
-    each rank holds a slice of the intermediate features."""
+    """Gated MLP (SiLU, or Gemma's GELU-tanh) with gate and up fused into one matmul; under
+    tensor parallelism each rank holds a slice of the intermediate features."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, activation: str = "silu"
+    ) -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        self.activation = activation
         inner = split_evenly(intermediate_size, "intermediate_size")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, {"gate_proj": [inner], "up_proj": [inner]}, bias
@@ -186,10 +208,12 @@ class GatedMLP(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden_size) -> (down(silu(gate) * up) of `norm(x, residual)`, summed over
+        """x (T, hidden_size) -> (down(act(gate) * up) of `norm(x, residual)`, summed over
         the ranks; the residual stream). Where a decode step's GEMV runs, the norm is fused
-        into the gate/up projection and the activation into the down projection."""
+        into the gate/up projection and SiLU into the down projection."""
         gate_up, residual = self.gate_up_proj.normed(x, residual, norm)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(ops.gelu_tanh_and_mul(gate_up)), residual
         return self.down_proj(gate_up, gated=True), residual
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,14 @@ class DecoderAttention(nn.Module):
     (Qwen3), rotary and paged attention in `Attention`, output projection."""
 
     def __init__(
-        self, config: PretrainedConfig, qk_norm: bool, sliding_window: int | None = None
+        self,
+        config: PretrainedConfig,
+        qk_norm: bool,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
+        """`scale`: of the scores (None: 1 / sqrt(head_dim)); `norm`: the q/k norms' kind."""
         super().__init__()
         self.head_dim = head_dim(config)
         # Tensor parallel: each rank holds whole heads, KV heads replicated when the
@@ -56,9 +62,9 @@ class DecoderAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(q, config.hidden_size, bias)
         # Weights only: the attention kernel norms each q and k head itself.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        scale = self.head_dim**-0.5
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        scale = self.head_dim**-0.5 if scale is None else scale
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window
         )

@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from extkv.distributed import SINGLE, TPGroup, use_group
 from extkv.models.bamba import BambaForCausalLM
 from extkv.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from extkv.models.gemma3 import Gemma3ForCausalLM
 from extkv.models.gguf import gguf_tensors
 from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
@@ -38,6 +39,7 @@ from extkv.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -48,6 +50,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 # For configs without `architectures` (GGUF files, some hand-written configs).
 _BY_MODEL_TYPE = {
     "bamba": "BambaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",

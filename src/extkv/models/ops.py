@@ -43,6 +43,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(gate_up)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I), gate then up -> gelu_tanh(gate) * up (T, I): Gemma's activation, in torch
+    on every device (two kernels on CUDA; no fused one yet)."""
+    return reference.gelu_tanh_and_mul(gate_up)
+
+
 def gated_rms_norm(
     y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor:

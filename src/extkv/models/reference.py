@@ -39,6 +39,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I), gate then up -> gelu(gate, tanh approximation) * up (T, I), as
+    transformers' `gelu_pytorch_tanh`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def gated_rms_norm(
     y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor:
