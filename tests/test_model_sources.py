@@ -221,8 +221,18 @@ def test_model_type_stands_in_for_architectures(tmp_path: Path, model_type: str,
 def test_unknown_model_type_lists_the_supported(tmp_path: Path) -> None:
     folder = make_random_checkpoint(tmp_path, "llama", with_tokenizer=False)
     _drop_architectures(folder, model_type="gpt2")
-    supported = "BambaForCausalLM, LlamaForCausalLM, Mamba2ForCausalLM, MistralForCausalLM, "
-    supported += "Qwen3ForCausalLM"
+    supported = ", ".join(
+        [
+            "BambaForCausalLM",
+            "DeepseekV2ForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "Gemma3ForCausalLM",
+            "LlamaForCausalLM",
+            "Mamba2ForCausalLM",
+            "MistralForCausalLM",
+            "Qwen3ForCausalLM",
+        ]
+    )
     with pytest.raises(ValueError, match=f"None \\(model_type 'gpt2'\\); supported: {supported}"):
         load_model(folder, torch.float32, "cpu")
 
