@@ -25,8 +25,6 @@ from extkv.models.reference import apply_rotary
 
 # transformers builds its latent norms with this eps, whatever rms_norm_eps says.
 _LATENT_NORM_EPS = 1e-6
-
-
 _TOPK_METHODS = ("greedy", "group_limited_greedy")  # V2's routers transformers has
 
 

@@ -99,8 +99,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = mlp or GatedMLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False)
+        self.mlp = (
+            GatedMLP(config.hidden_size, config.intermediate_size, bias) if mlp is None else mlp
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
