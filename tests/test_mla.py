@@ -239,6 +239,32 @@ def test_two_ranks_equal_one(deepseek: Path) -> None:
         llm.close()
 
 
+# On CUDA (not run here; for the GPU machine's checks): fp32, so that the tokens are the
+# CPU's; a few blocks, so that the tiny model's KV cache does not take the whole GPU.
+CUDA = dict(SMALL, device="cuda", dtype=torch.float32, num_gpu_blocks_override=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extensible", [False, True])
+@pytest.mark.parametrize("deepseek", ["v2", "v3"], indirect=True)
+def test_cuda_graphs_equal_the_cpu(deepseek: Path, extensible: bool) -> None:
+    """Decode graphs captured over the latent store and the paged attention kernel (one
+    KV head, the latent row as key and value) give the CPU's tokens."""
+    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
+    llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **CUDA)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deepseek", ["v3-moe"], indirect=True)
+def test_cuda_experts_need_eager_decode(deepseek: Path) -> None:
+    with pytest.raises(RuntimeError, match="enforce_eager=True"):
+        LLM(deepseek, **CUDA)
+    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
+    assert extkv_tokens(LLM(deepseek, enforce_eager=True, **CUDA), PROMPTS, GREEDY) == expected
+
+
 def check_decode_kernels() -> None:
     """What MLA decode runs on CUDA, the latent store (the K/V store kernel writing one row
     as both) and the paged attention kernel as multi-query attention over the latent rows
