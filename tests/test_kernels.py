@@ -145,6 +145,33 @@ def check_attention(
     assert relative_error(out, ref) < tol
 
 
+def check_mla_decode(
+    block_size: int, num_heads: int, row: int, dtype: torch.dtype, device: str, tol: float
+) -> None:
+    """MLA decode as CUDA runs it (extkv.attention.mla): each token's latent row stored as
+    both K and V of one KV head by the K/V store kernel, then the paged attention kernel's
+    multi-query case over those rows, the row as key and value."""
+    num_blocks = 24
+    batch = make_batch(
+        [1, 9, 30], [1, 1, 1], num_blocks, block_size, num_heads, 1, row, dtype, device
+    )
+    slots = batch.metadata.slot_mapping.clone()
+    slots[-1] = -1  # a padding row: nothing written
+    latent = batch.key
+    cache = torch.randn(num_blocks, block_size, 1, row, dtype=dtype).to(device)
+    expected = cache.clone()
+    store_kv_reference(latent, latent, expected, expected, slots)
+    store_kv(latent, latent, cache, cache, slots)
+    assert torch.equal(cache, expected)
+    scale = row**-0.5
+    out = paged_attention(batch.query, cache, cache, batch.metadata, scale, num_splits=2)
+    ref_cache = expected.float()
+    ref = paged_attention_reference(
+        batch.query.float(), ref_cache, ref_cache, batch.metadata, scale
+    )
+    assert relative_error(out, ref) < tol
+
+
 def check_varlen(group: int, dtype: torch.dtype, device: str, tol: float) -> None:
     """Packed sequences without a cache, as in the profiling run."""
     cu = torch.tensor([0, 1, 71, 84], dtype=torch.int32, device=device)
@@ -174,6 +201,7 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
         "decode": [
             *(partial(attn, layout, 4, 4, 32, **DECODE_CPU, num_splits=4) for layout in LAYOUTS),
             partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1),
+            partial(check_mla_decode, 4, 4, 48, **on_cpu, tol=CPU_TOL),  # rank 32 + rope 16
         ],
         "varlen": [partial(check_varlen, 2, **on_cpu, tol=CPU_TOL)],
         "window": [
@@ -308,6 +336,14 @@ def test_decode_cuda_graph(layout: str) -> None:
             new.query.float(), ref_cache.k, ref_cache.v, new.metadata, 0.1
         )
         assert relative_error(out, ref) < GPU_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 32])
+def test_mla_decode_gpu(num_heads: int) -> None:
+    """DeepSeek's 576-value latent rows (kv_lora_rank 512 + rope 64); a 32-head group is
+    the most whose tiles fit an H200's shared memory (sm90 compile: 200 KB, 64 heads 262)."""
+    check_mla_decode(16, num_heads, 576, torch.bfloat16, "cuda", GPU_TOL)
 
 
 def backport_interpreter_index_fix() -> None:

@@ -261,6 +261,15 @@ class DeepseekV2ForCausalLM(CausalLM):
             return DecoderLayer(config, LatentAttention(config, interleave), moe)
 
         super().__init__(config, DecoderModel(config, layer))
+        self.num_layers = config.num_hidden_layers
+
+    def ignores_tensor(self, name: str) -> bool:
+        """Whether the loader skips checkpoint tensor `name`: V3 checkpoints carry their
+        multi-token-prediction layers after the decoder's (model.layers.61.* in V3), which
+        generation does not run (transformers skips them too)."""
+        prefix, _, rest = name.partition("model.layers.")
+        index = rest.partition(".")[0]
+        return not prefix and index.isdigit() and int(index) >= self.num_layers
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -184,7 +184,12 @@ def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot
             chosen[present[0]] = slot  # tied: the first module's name wins, as in HF
         else:
             missing.append(slot.names[0])
-    unexpected = [n for n in available - known if not n.endswith(_IGNORED_SUFFIXES)]
+    ignores = getattr(model, "ignores_tensor", None)  # a model's own extra tensors
+    unexpected = [
+        n
+        for n in available - known
+        if not n.endswith(_IGNORED_SUFFIXES) and not (ignores and ignores(n))
+    ]
     if missing or unexpected:
         problems = [f"missing tensors: {_listing(missing)}"] if missing else []
         problems += [f"unexpected tensors: {_listing(unexpected)}"] if unexpected else []
