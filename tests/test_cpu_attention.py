@@ -155,3 +155,56 @@ def test_chunk_must_be_positive() -> None:
     q, k, v = qkv(4, 8)
     with pytest.raises(ValueError, match="chunk must be a positive number of queries; got 0"):
         masked_chunk_attention(q, k, v, SCALE, chunk=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_batch_attends_together(
+    monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    """One query per sequence, contexts of 1 to 40 tokens on scattered blocks of 4 (every
+    other block NaN, as memory no sequence holds may be): the same as each sequence on
+    its own, whether the batch goes in one call or in several (a small gather budget)."""
+    from extkv.attention import reference
+    from extkv.attention.metadata import AttentionMetadata
+
+    lengths = [1, 40, 7, 16, 23]
+    block_size, heads, kv_heads, dim = 4, 6, 2, 32
+    widths = [-(-n // block_size) for n in lengths]
+    cache = torch.full((2, 2 * sum(widths) + 2, block_size, kv_heads, dim), float("nan"))
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    for s, width in enumerate(widths):
+        blocks = torch.arange(width) * 2 + 2 * sum(widths[:s]) + 1  # odd blocks: theirs
+        tables[s, :width] = blocks
+        cache[:, blocks] = torch.randn(2, width, block_size, kv_heads, dim, generator=gen)
+    metadata = AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.int64),
+        cu_seqlens_q=torch.arange(len(lengths) + 1, dtype=torch.int32),
+        context_lens=torch.tensor(lengths, dtype=torch.int32),
+        block_tables=tables,
+        max_seqlen_q=1,
+        max_context_len=max(lengths),
+    )
+    query = torch.randn(len(lengths), heads, dim, generator=gen)
+    expected = torch.cat(
+        [
+            causal_attention(
+                query[s : s + 1],
+                reference.gather_context(cache[0], tables[s], n),
+                reference.gather_context(cache[1], tables[s], n),
+                SCALE,
+                window,
+            )
+            for s, n in enumerate(lengths)
+        ]
+    )
+    together = reference.paged_attention_reference(
+        query, cache[0], cache[1], metadata, SCALE, window
+    )
+    torch.testing.assert_close(together, expected, atol=1e-6, rtol=0)
+    monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", 2 * 40 * kv_heads * dim * 4)
+    in_pairs = reference.paged_attention_reference(
+        query, cache[0], cache[1], metadata, SCALE, window
+    )
+    torch.testing.assert_close(in_pairs, expected, atol=1e-6, rtol=0)

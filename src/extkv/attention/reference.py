@@ -165,6 +165,8 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """query (T, Hq, D) against each sequence's cached context (its last `sliding_window`
     tokens per query, with a window); returns (T, Hq, D)."""
+    if metadata.max_seqlen_q == 1:
+        return _decode(query, k_cache, v_cache, metadata, scale, sliding_window)
     out = torch.empty_like(query)
     cu = metadata.cu_seqlens_q.tolist()
     for s, context_len in enumerate(metadata.context_lens.tolist()):
@@ -177,6 +179,57 @@ def paged_attention_reference(
         v = gather_context(v_cache, metadata.block_tables[s], context_len, first_block)
         out[cu[s] : cu[s + 1]] = causal_attention(q, k, v, scale, sliding_window)
     return out
+
+
+# A decode's keys (and values) are gathered at most this many bytes at a time, each
+# sequence's context padded to the batch's longest.
+DECODE_GATHER_BYTES = 64 << 20
+
+
+def _decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query per sequence: the sequences attend together, their contexts gathered into
+    (S, Hkv, L, D) padded to the longest under a padding (and window) mask, rather than
+    one call each (a CPU decode step of 256 sequences made 256 calls per layer)."""
+    out = torch.empty_like(query)
+    lengths = metadata.context_lens.long()
+    if not len(lengths):
+        return out
+    block_size = k_cache.shape[1]
+    row_bytes = k_cache[0, 0].numel() * 4  # one token's keys in fp32
+    per_call = max(1, DECODE_GATHER_BYTES // (row_bytes * int(lengths.max())))
+    for start in range(0, len(lengths), per_call):
+        rows = slice(start, start + per_call)
+        seen = lengths[rows]
+        width = int(seen.max())
+        # Padding and released blocks (outside every window) read block 0, masked out.
+        tables = metadata.block_tables[rows, : -(-width // block_size)].long().clamp(min=0)
+        pos = torch.arange(width, device=query.device)
+        visible = pos < seen[:, None]
+        if sliding_window is not None:
+            visible &= pos >= seen[:, None] - sliding_window
+        k = _gathered(k_cache, tables, width, visible)
+        v = k if v_cache is k_cache else _gathered(v_cache, tables, width, visible)
+        q = query[rows].float()[:, :, None]  # (S, Hq, 1, D)
+        mask = visible[:, None, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[:, :, 0].to(out.dtype)
+    return out
+
+
+def _gathered(
+    cache: torch.Tensor, tables: torch.Tensor, width: int, visible: torch.Tensor
+) -> torch.Tensor:
+    """(S, H, width, D) fp32 rows of each sequence's blocks; the hidden ones zeroed (they
+    may hold anything, NaN included, and a masked NaN still spoils the sum)."""
+    rows = cache[tables].flatten(1, 2)[:, :width].float()
+    return rows.masked_fill(~visible[:, :, None, None], 0.0).transpose(1, 2)
 
 
 def varlen_attention_reference(
