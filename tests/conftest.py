@@ -11,7 +11,7 @@ from extkv import LLM
 from extkv.demo import make_random_checkpoint
 from extkv.models import smollm2
 from helpers import make_mamba_checkpoint
-from live_server import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ENGINE, KEY, Server
+from live_server import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ENGINE, KEY, Server, running
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -69,17 +69,11 @@ def servers(
     template = logs / "template.jinja"
     template.write_text(CHAT_TEMPLATE_FILE)
     chat, bare = checkpoints
-    both = (
+    with running(
         Server(chat, logs / "open.log", "--max-request-bytes=65536", f"--chat-template={template}"),
         Server(bare, logs / "guarded.log", f"--api-key={KEY}", "--max-pending-requests=1"),
-    )
-    try:
-        for server in both:
-            server.wait_ready()
+    ) as both:
         yield both
-    finally:
-        for server in both:
-            server.stop()
 
 
 @pytest.fixture(scope="session")

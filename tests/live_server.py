@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -93,3 +95,16 @@ class Server:
             if (idle and m["extkv_kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
+
+
+@contextmanager
+def running(*servers: Server) -> Iterator[tuple[Server, ...]]:
+    """`servers` (already launched, so they start together) once all are ready; each
+    stopped on the way out, whatever happened."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

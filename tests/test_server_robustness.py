@@ -24,7 +24,7 @@ from extkv.demo import make_random_checkpoint
 from extkv.engine.model_runner import ModelRunner
 from extkv.serving import ServerSettings
 from extkv.serving.app import make_server
-from live_server import ENGINE, MODEL, PROMPT, Server
+from live_server import ENGINE, MODEL, PROMPT, Server, running
 
 ORIGIN = "https://app.example"
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
@@ -46,17 +46,11 @@ def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         f"--max-request-bytes={8 << 20}",
         f"--allowed-origins={ORIGIN}",
     )
-    both = (
+    with running(
         Server(checkpoint, logs / "plain.log"),
         Server(checkpoint, logs / "strict.log", *strict_flags),
-    )
-    try:
-        for server in both:
-            server.wait_ready()
+    ) as both:
         yield both
-    finally:
-        for server in both:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
