@@ -7,7 +7,8 @@
 Front-end and back-end errors (a Triton version's typing rules, PTX assembly) show up
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
-prefetch) and of the paged attention (splits, PDL) and its merge.
+prefetch), of the paged attention (splits, PDL) and its merge, and the RMSNorm and
+SiLU*mul kernels whose math the GEMV's inputs share.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from extkv.kernels import gemv, paged_attention
+from extkv.kernels import activation, gemv, norm, paged_attention
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -99,6 +100,18 @@ def main() -> int:
         merge = dict(HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=4, USE_PDL=pdl)
         jobs.append(
             (paged_attention._merge_splits_kernel, (f"merge pdl={pdl:d}", merge_types, merge))
+        )
+    for pdl in (False, True):
+        for residual in (False, True):
+            constexprs = dict(HAS_RESIDUAL=residual, BLOCK=1024, USE_PDL=pdl)
+            types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16"}
+            types.update(out_ptr="*bf16", eps="fp32")
+            name = f"rms_norm residual={residual:d} pdl={pdl:d}"
+            jobs.append((norm._rms_norm_kernel, (name, types, constexprs)))
+        types = {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}
+        constexprs = dict(BLOCK=1024, USE_PDL=pdl)
+        jobs.append(
+            (activation._silu_and_mul_kernel, (f"silu_and_mul pdl={pdl:d}", types, constexprs))
         )
     failed = 0
     for fn, (name, types, constexprs) in jobs:

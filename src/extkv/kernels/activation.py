@@ -12,6 +12,15 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_times(gate, up, like_ptr):
+    """silu(gate) * up of fp32 `gate` and `up`, in the dtype `like_ptr` points to, rounded
+    where torch's two ops round (the activation kernel's and the GEMV input's math)."""
+    dtype = like_ptr.dtype.element_ty
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (activated * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, stride_out, inner, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -23,9 +32,7 @@ def _silu_and_mul_kernel(
     src = gate_up_ptr + row * stride_in + cols
     gate = tl.load(src, mask=live, other=0.0).to(tl.float32)
     up = tl.load(src + inner, mask=live, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (activated * up).to(dtype), mask=live)
+    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, out_ptr), mask=live)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

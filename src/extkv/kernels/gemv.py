@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels.activation import silu_times
+from extkv.kernels.norm import weighted_rms
 from extkv.kernels.pdl import pdl_launch, prefetch_to_l2, wait_for_previous_grid
 
 MAX_ROWS = 16  # x's rows are padded to this: tl.dot's smallest dimension
@@ -159,9 +161,7 @@ def _silu_and_mul_tile(x_col, kk, K, tile_ok):
     rounded where the activation kernel rounds."""
     gate = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
     up = tl.load(x_col + K + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-    dtype = x_col.dtype.element_ty
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (activated * up).to(dtype)
+    return silu_times(gate, up, x_col)
 
 
 @triton.jit
@@ -200,10 +200,9 @@ def _rows_rstd(
 def _normed_tile(total, x_ptr, norm_weight_ptr, kk, k_ok, rstd):
     """RMSNorm of a (BLOCK_K, BLOCK_M) tile of the residual sum, rounded as the norm
     kernel rounds (to x's dtype, then times the weight)."""
-    dtype = x_ptr.dtype.element_ty
-    normed = (total.to(dtype).to(tl.float32) * rstd[None, :]).to(dtype).to(tl.float32)
+    xf = total.to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    return (weight[:, None] * normed).to(dtype)
+    return weighted_rms(xf, rstd[None, :], weight[:, None], x_ptr)
 
 
 @triton.jit

@@ -20,6 +20,15 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def weighted_rms(xf, rstd, weight, like_ptr):
+    """weight * (xf * rstd), fp32 in, in the dtype `like_ptr` points to, the normed value
+    rounded to it before the weight multiply as HF's RMSNorm does (the norm kernel's and
+    the GEMV input's math)."""
+    dtype = like_ptr.dtype.element_ty
+    return (weight * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -48,11 +57,8 @@ def _rms_norm_kernel(
         x = total.to(x_ptr.dtype.element_ty)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=live
-    )
+    tl.store(out_ptr + row * stride_o + cols, weighted_rms(xf, rstd, weight, out_ptr), mask=live)
 
 
 def rms_norm(
