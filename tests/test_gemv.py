@@ -186,6 +186,15 @@ def test_bad_inputs_are_refused() -> None:
         linear_small_batch(x, weight.to(torch.bfloat16))
     with pytest.raises(ValueError, match="bias must be a contiguous \\(4,\\)"):
         linear_small_batch(x, weight, torch.randn(5))
+    with pytest.raises(ValueError, match="gate_up must be \\(M, 2K\\), got \\(2, 7\\)"):
+        silu_and_mul_linear_small_batch(torch.randn(2, 7), weight)
+    with pytest.raises(ValueError, match="x \\(M, K\\) and weight \\(N, K\\)"):
+        silu_and_mul_linear_small_batch(torch.randn(2, 8), weight)  # K = 4, not 8
+    norm_weight = torch.ones(8)
+    with pytest.raises(ValueError, match="residual must be x's shape \\(2, 8\\)"):
+        rms_norm_linear_small_batch(x, torch.randn(3, 8), norm_weight, 1e-6, weight)
+    with pytest.raises(ValueError, match="norm_weight must be a contiguous \\(8,\\), got \\(4,\\)"):
+        rms_norm_linear_small_batch(x, None, torch.ones(4), 1e-6, weight)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
