@@ -1,7 +1,8 @@
 """Plain torch attention over the paged cache: the CPU path and the kernels' oracle.
 
-One sequence at a time, its K/V gathered through the block table (the profiling
-run's packed batch: its sequences of one length at once). A whole prompt is one
+A prefill goes one sequence at a time, its K/V gathered through the block table (the
+profiling run's packed batch: its sequences of one length at once); a decode step's
+sequences attend together, their contexts padded to the longest. A whole prompt is one
 causal `scaled_dot_product_attention` call, as transformers makes it (the CPU's
 flash kernel: memory linear in the prompt). A prompt after a cached prefix (a long
 prompt's later chunks) is, on the CPU, two flash calls merged by their log-sum-exp:

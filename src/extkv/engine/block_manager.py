@@ -133,10 +133,11 @@ class BlockManager:
         if window is None:
             return
         first_seen = max(seq.num_computed_tokens - window + 1, 0) // self.needs.block_size
-        for i in range(seq.num_released_blocks, min(first_seen, len(seq.block_table))):
+        first_seen = min(first_seen, len(seq.block_table))
+        for i in range(seq.num_released_blocks, first_seen):
             self._drop(seq.block_table[i])
             seq.block_table[i] = NO_BLOCK
-            seq.num_released_blocks = i + 1
+        seq.num_released_blocks = max(seq.num_released_blocks, first_seen)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks; one left unheld is free but keeps its cached content."""
