@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.kernels import gemv
+from extkv.kernels import gemv, pdl
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.gemv import (
     MAX_ROWS,
@@ -155,9 +155,18 @@ def check_normed(
     assert torch.equal(y, everything[:num_rows])
 
 
-def test_pdl_is_for_cuda_only() -> None:
-    """Off CUDA (the interpreter's CPU tensors) kernels launch serially, with no PDL option."""
-    assert pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+def test_pdl_is_for_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA (the interpreter's CPU tensors) kernels launch serially, with no PDL option,
+    whatever EXTKV_PDL says; a value other than 0 or 1 is refused."""
+    for wanted in ("0", "1"):
+        monkeypatch.setenv("EXTKV_PDL", wanted)
+        pdl._pdl_supported.cache_clear()
+        assert pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setenv("EXTKV_PDL", "yes")
+    pdl._pdl_supported.cache_clear()
+    with pytest.raises(ValueError, match="EXTKV_PDL must be 0 \\(serial launches\\) or 1"):
+        pdl_launch(torch.device("cpu"))
+    pdl._pdl_supported.cache_clear()
 
 
 def test_narrow_weights_split_k_to_fill_the_device() -> None:

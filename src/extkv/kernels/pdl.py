@@ -30,7 +30,10 @@ import triton.language as tl
 
 @functools.cache
 def _pdl_supported(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("EXTKV_PDL", "0") != "1":
+    wanted = os.environ.get("EXTKV_PDL", "0")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"EXTKV_PDL must be 0 (serial launches) or 1 (PDL), got {wanted!r}")
+    if device.type != "cuda" or wanted == "0":
         return False
     from triton.backends.nvidia.compiler import CUDAOptions
 
