@@ -1,5 +1,8 @@
 """The decode GEMV's memory bandwidth on each linear of Qwen3-0.6B and SmolLM2-135M,
 against cuBLAS (F.linear), and (--sweep) the best tiling found by trying many.
+`fused` is the GEMV with the step's fused input (RMSNorm + residual add before the
+QKV and gate/up projections, SiLU*mul before the down projection) against `apart`,
+the same two ops as separate kernels.
 
     python benchmarks/bench_gemv.py [--rows 1 16] [--sweep] [--json OUT]
 
@@ -23,11 +26,21 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from _common import device_bandwidth
-from extkv.kernels.gemv import GemvConfig, gemv_config, linear_small_batch
+from extkv.kernels.activation import silu_and_mul
+from extkv.kernels.gemv import (
+    GemvConfig,
+    gemv_config,
+    linear_small_batch,
+    rms_norm_linear_small_batch,
+    silu_and_mul_linear_small_batch,
+)
+from extkv.kernels.norm import rms_norm
 
 logger = logging.getLogger("bench_gemv")
 
-# (name, K, N): the decode linears (QKV and gate/up merged).
+# (name, K, N): the decode linears (QKV and gate/up merged); the step fuses an RMSNorm
+# into those that read the residual stream and SiLU*mul into the down projections.
+NORMED = ("qkv", "gate_up")
 SHAPES = (
     ("qwen3 qkv", 1024, 4096),
     ("qwen3 o", 2048, 1024),
@@ -93,6 +106,7 @@ def bench_shape(name: str, k: int, n: int, rows: int, sweep: bool, copy_gbs: flo
         "config": str(default),
     }
     row["cublas"] = figures(graph_time_us(lambda i: F.linear(x, weights[i]), copies))
+    row["fused"], row["apart"] = fused_and_apart(name, x, weights, copies, figures)
     if sweep:
         timings = []
         for config in candidate_configs(n, k):
@@ -110,6 +124,30 @@ def bench_shape(name: str, k: int, n: int, rows: int, sweep: bool, copy_gbs: flo
     return row
 
 
+def fused_and_apart(name: str, x: torch.Tensor, weights: list, copies: int, figures) -> tuple:
+    """The shape's fused GEMV and its two separate kernels, timed alike."""
+    rows, k = x.shape
+    if name.split()[-1] in NORMED:
+        residual = torch.randn_like(x)
+        norm_weight = torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
+
+        def fused(i):
+            return rms_norm_linear_small_batch(x, residual, norm_weight, 1e-6, weights[i])
+
+        def apart(i):  # the norm adds x into the residual in place: it only grows here
+            return linear_small_batch(rms_norm(x, norm_weight, 1e-6, residual)[0], weights[i])
+    else:
+        gate_up = torch.randn(rows, 2 * k, device=x.device, dtype=x.dtype)
+
+        def fused(i):
+            return silu_and_mul_linear_small_batch(gate_up, weights[i])
+
+        def apart(i):
+            return linear_small_batch(silu_and_mul(gate_up), weights[i])
+
+    return figures(graph_time_us(fused, copies)), figures(graph_time_us(apart, copies))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="x's rows (1-16)")
@@ -125,7 +163,7 @@ def main() -> None:
     print("== gemv: us per call (GB/s, of copy bandwidth)")
     for r in rows:
         line = f"{r['shape']:<16} m={r['rows']:<3}"
-        for kind in ("default", "cublas", "best"):
+        for kind in ("default", "cublas", "fused", "apart", "best"):
             if kind in r:
                 f = r[kind]
                 line += f"  {kind} {f['us']:6.2f} ({f['GB/s']:5.0f}, {f['of copy']:.2f})"

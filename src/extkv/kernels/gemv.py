@@ -69,6 +69,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
@@ -99,7 +100,7 @@ def _gemv_kernel(
     x_col = x_ptr + m.to(tl.int64)[None, :] * stride_xm
     r_col = residual_ptr + m.to(tl.int64)[None, :] * stride_rm
     if INPUT == RMS_NORM:
-        rstd = _rows_rstd(x_col, r_col, m_ok, K, eps, HAS_RESIDUAL, BLOCK_K, BLOCK_M)
+        rstd = _rows_rstd(x_col, r_col, m_ok, K, eps, HAS_RESIDUAL, BLOCK_K, BLOCK_M, K_CHUNKS)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for start in range(k_begin, k_end, BLOCK_K):
         kk = start + k
@@ -113,7 +114,7 @@ def _gemv_kernel(
             if HAS_RESIDUAL and pid_n == 0:  # one tile column writes the new residual stream
                 out = residual_out_ptr + m.to(tl.int64)[None, :] * stride_rom + kk[:, None]
                 tl.store(out, total, mask=tile_ok)
-            xt = _normed_tile(total, x_ptr, norm_weight_ptr, kk, k_ok, rstd)
+            xt = _normed_tile(total, x_ptr, norm_weight_ptr, kk, m, tile_ok, rstd)
         else:
             xt = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
@@ -184,12 +185,17 @@ def _rows_rstd(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    K_CHUNKS: tl.constexpr,
 ):
-    """(BLOCK_M,) 1 / rms of each row of residual + x (as x's dtype), over all of K."""
+    """(BLOCK_M,) 1 / rms of each row of residual + x (as x's dtype), over all of K.
+
+    Unrolled over K's K_CHUNKS chunks, so every chunk's loads are in flight together:
+    a rolled loop waits out one load round trip per chunk before the pipelined main loop
+    can start."""
     k = tl.arange(0, BLOCK_K)
     squares = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        kk = start + k
+    for chunk in tl.static_range(K_CHUNKS):
+        kk = chunk * BLOCK_K + k
         total = _residual_sum(x_col, r_col, kk, (kk < K)[:, None] & m_ok[None, :], HAS_RESIDUAL)
         total = total.to(x_col.dtype.element_ty).to(tl.float32)
         squares += total * total
@@ -197,12 +203,14 @@ def _rows_rstd(
 
 
 @triton.jit
-def _normed_tile(total, x_ptr, norm_weight_ptr, kk, k_ok, rstd):
+def _normed_tile(total, x_ptr, norm_weight_ptr, kk, m, tile_ok, rstd):
     """RMSNorm of a (BLOCK_K, BLOCK_M) tile of the residual sum, rounded as the norm
-    kernel rounds (to x's dtype, then times the weight)."""
+    kernel rounds (to x's dtype, then times the weight). The weight is loaded as a tile
+    of the sum's shape (every row reads the same column), so the pipeline prefetches it
+    with x instead of waiting on a load each step."""
     xf = total.to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    return weighted_rms(xf, rstd[None, :], weight[:, None], x_ptr)
+    weight = tl.load(norm_weight_ptr + kk[:, None] + 0 * m[None, :], mask=tile_ok, other=0.0)
+    return weighted_rms(xf, rstd[None, :], weight.to(tl.float32), x_ptr)
 
 
 @triton.jit
@@ -410,6 +418,7 @@ def _launch(
         BLOCK_K=config.block_k,
         BLOCK_M=MAX_ROWS,
         SPLIT_K=config.split_k,
+        K_CHUNKS=triton.cdiv(k, config.block_k) if input_kind == RMS_NORM else 1,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch,
         LINE_ELEMENTS=min(config.block_k, 128 // x.element_size()),
