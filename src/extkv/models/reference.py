@@ -80,13 +80,20 @@ def qk_norm_rope(
     """qkv (T, (Hq + 2 Hkv) * D) -> q (T, Hq, D), k, v (T, Hkv, D): q and k normed per
     head (when weights are given) and rotated with the cos/sin rows of `positions`."""
     qkv = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, -1))
-    cos, sin = cos_sin_cache[positions].to(qkv.dtype).unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = cos_sin_cache[positions].to(qkv.dtype).chunk(2, dim=-1)
     if q_norm_weight is None:  # q and k rotated together: half the ops (the same values)
-        qk = apply_rotary(qkv[:, : num_q_heads + num_kv_heads], cos, sin)
+        qk = _rotated_head_major(qkv[:, : num_q_heads + num_kv_heads], cos, sin)
         return qk[:, :num_q_heads], qk[:, num_q_heads:], qkv[:, num_q_heads + num_kv_heads :]
     q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
     q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    return _rotated_head_major(q, cos, sin), _rotated_head_major(k, cos, sin), v
+
+
+def _rotated_head_major(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` of x (T, heads, D) with cos/sin (T, rotary_dim / 2), its result laid
+    out head by head (a (T, heads, D) view of (heads, T, D) memory): the layout the CPU's
+    flash kernel reads fastest, at no cost here (the rotation writes a new tensor anyway)."""
+    return apply_rotary(x.transpose(0, 1), cos, sin).transpose(0, 1)
 
 
 def qk_norm_rope_store(
