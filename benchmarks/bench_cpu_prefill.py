@@ -16,7 +16,9 @@ logits of the last token only). `peak GB` is the process's ru_maxrss (loading
 included), `prefill GB` the growth of the resident set's high-water mark over the
 prefills (reset before them), on top of what the process held then; `kv GB` is
 extkv's KV cache, sized at start-up from its 2 GiB budget (in `peak GB`, not in
-`prefill GB`).
+`prefill GB`). `others` is the CPU the machine's other processes took while this one
+prefilled, in cores (from /proc/stat; nan elsewhere): on a shared machine a prefill
+timed beside a busy neighbour is not comparable with one timed alone.
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ def _transformers_prefill(path: Path):
     return prefill, 0
 
 
+def _machine_cpu_seconds() -> float:
+    """CPU seconds every process has used since boot (/proc/stat's busy time); nan where
+    there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds this process has used (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure_one(side: str, path: Path, length: int, repeats: int, threads: int | None) -> dict:
     """Load `side`'s model and time its prefills of `length`-token prompts (this process)."""
     if threads is not None:
@@ -95,10 +114,12 @@ def measure_one(side: str, path: Path, length: int, repeats: int, threads: int |
     resettable = reset_peak_resident()
     held = resident_bytes()
     times, tokens = [], []
+    machine, own = _machine_cpu_seconds(), _own_cpu_seconds()
     for ids in prompts[1:]:
         start = time.perf_counter()
         tokens.append(prefill(ids))
         times.append(time.perf_counter() - start)
+    others = _machine_cpu_seconds() - machine - (_own_cpu_seconds() - own)
     growth = peak_resident_bytes() - held if resettable else float("nan")
     return {
         "side": side,
@@ -111,6 +132,7 @@ def measure_one(side: str, path: Path, length: int, repeats: int, threads: int |
         "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
         "prefill_gb": growth / GB,
         "kv_cache_gb": kv_cache_bytes / GB,
+        "others": others / sum(times),
     }
 
 
@@ -132,7 +154,7 @@ def report(rows: list[dict]) -> None:
     lengths = sorted({r["length"] for r in rows})
     print(
         f"{'tokens':>7} {'side':>13} {'prefill s':>10} {'tok/s':>8} {'peak GB':>8} "
-        f"{'prefill GB':>11} {'kv GB':>6} {'load s':>7}"
+        f"{'prefill GB':>11} {'kv GB':>6} {'load s':>7} {'others':>7}"
     )
     for length in lengths:
         for side in SIDES:
@@ -140,7 +162,7 @@ def report(rows: list[dict]) -> None:
             print(
                 f"{length:>7} {side:>13} {r['prefill_s']:>10.2f} {length / r['prefill_s']:>8.0f} "
                 f"{r['peak_gb']:>8.2f} {r['prefill_gb']:>11.3f} {r['kv_cache_gb']:>6.2f} "
-                f"{r['load_s']:>7.1f}"
+                f"{r['load_s']:>7.1f} {r['others']:>7.2f}"
             )
         ours, theirs = by["extkv", length], by["transformers", length]
         print(
