@@ -23,7 +23,13 @@ from extkv.attention.reference import (
     store_kv_reference,
     varlen_attention_reference,
 )
-from extkv.kernels.paged_attention import paged_attention, varlen_attention
+from extkv.kernels import arrivals
+from extkv.kernels.paged_attention import (
+    DECODE_TILES,
+    fit_tiles,
+    paged_attention,
+    varlen_attention,
+)
 from extkv.kernels.store_kv import store_kv
 from helpers import LAYOUTS, Cache
 
@@ -143,6 +149,21 @@ def check_attention(
     )
     assert not ref.isnan().any()
     assert relative_error(out, ref) < tol
+    if not batch.metadata.is_prefill and (num_splits or 1) > 1:
+        # The last split of each (sequence, KV head) merged and reset its arrival counter:
+        # a second call counts from zero again and gives the same bits.
+        again = paged_attention(
+            batch.query,
+            cache.k,
+            cache.v,
+            batch.metadata,
+            scale,
+            None,
+            num_splits,
+            sliding_window=sliding_window,
+        )
+        assert torch.equal(again, out)
+        assert not arrivals._COUNTERS[("paged_attention", torch.device(device))].any()
 
 
 def check_mla_decode(
@@ -210,6 +231,20 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
             partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1, sliding_window=7),
         ],
     }
+
+
+def test_tiles_fit_shared_memory() -> None:
+    """Head dim 128 keeps the tuned decode tiles; DeepSeek's 576-value latent rows (1024
+    wide in the kernel) get fewer K/V rows and stages, down to what 64 query heads need;
+    128 heads cannot fit and the error says to shard them (sizes as sm90's 227 KiB)."""
+    cpu = torch.device("cpu")
+    assert fit_tiles(DECODE_TILES, 16, 128, 2, cpu) == DECODE_TILES
+    for heads, block_n, stages in ((16, 32, 2), (32, 32, 2), (64, 16, 2)):
+        tiles = fit_tiles(DECODE_TILES, heads, 1024, 2, cpu)
+        assert (tiles.block_n, tiles.num_stages) == (block_n, stages), heads
+        assert (heads + stages * block_n) * 1024 * 2 <= 232448 - 4096
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        fit_tiles(DECODE_TILES, 128, 1024, 2, cpu)
 
 
 @pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window"])

@@ -8,9 +8,10 @@ is what lets one kernel read every layout.
 
 Prefill tiles rows over the new tokens. Decode has one token per sequence, so
 it tiles the *context* instead (split-K, "flash-decoding"): each split writes
-a partial softmax and a small second kernel merges them. The split count comes
-from tensor shapes only and each split's share of the context is computed on
-the device, which keeps decode capturable in a CUDA graph.
+a partial softmax, and the last split of a (sequence, KV head) to finish merges
+them (see extkv.kernels.arrivals), so decode is one kernel per layer. The split
+count comes from tensor shapes only and each split's share of the context is
+computed on the device, which keeps decode capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from extkv.attention.metadata import AttentionMetadata
+from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 _LOG2E = math.log2(math.e)
@@ -34,6 +36,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    arrivals_ptr,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -69,7 +72,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32."""
+    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
+    Splits (decode only: one query tile) leave partial results, merged by the last."""
     wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     q_tile = tl.program_id(0) // NUM_SPLITS
@@ -132,47 +136,57 @@ def _paged_attention_kernel(
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
+    o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
     if NUM_SPLITS == 1:
-        o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-        o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
+        parts = ((q_start + token) * num_q_heads + head) * NUM_SPLITS
         lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        part_o = part_out_ptr + (parts + split)[:, None] * HEAD_DIM + dim[None, :]
+        tl.store(part_o, o, mask=io_mask, cache_modifier=".wt")
+        tl.store(part_lse_ptr + parts + split, lse, mask=row_ok, cache_modifier=".wt")
+        tl.debug_barrier()  # every thread's partial is written before the arrival counts
+        counter = arrivals_ptr + seq * tl.num_programs(2) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            o = _merge_splits(
+                part_out_ptr, part_lse_ptr, parts, row_ok, dim, io_mask, HEAD_DIM, NUM_SPLITS
+            )
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
 @triton.jit
-def _merge_splits_kernel(
-    out_ptr,
+def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
-    num_q_heads,
-    stride_ot,
-    stride_oh,
-    stride_od,
+    parts,
+    row_ok,
+    dim,
+    io_mask,
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    """Grid (num_tokens, num_q_heads): weight each split's output by its softmax mass."""
-    wait_for_previous_grid(USE_PDL)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    dim = tl.arange(0, HEAD_DIM_P2)
-    dim_ok = dim < HEAD_DIM
-
-    lse = tl.load(part_lse_ptr + part)
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=dim_ok[None, :])
-    total = tl.sum(weight, 0)
-    o = tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    o_ptrs = out_ptr + token * stride_ot + head * stride_oh + dim * stride_od
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    """(BLOCK_M, HEAD_DIM_P2): the rows' split outputs weighted by their softmax mass, in
+    split order. Read past L1 (.cv): other programs wrote them."""
+    lse_max = tl.full(parts.shape, float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + parts + split, mask=row_ok, other=float("-inf"), cache_modifier=".cv"
+        )
+        lse_max = tl.maximum(lse_max, lse)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros(parts.shape, tl.float32)
+    o = tl.zeros(io_mask.shape, tl.float32)
+    for split in range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + parts + split, mask=row_ok, other=float("-inf"), cache_modifier=".cv"
+        )
+        weight = tl.exp2(lse - lse_ref)
+        part_o = part_out_ptr + (parts + split)[:, None] * HEAD_DIM + dim[None, :]
+        o += weight[:, None] * tl.load(part_o, mask=io_mask, other=0.0, cache_modifier=".cv")
+        total += weight
+    return o / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @dataclass(frozen=True)
@@ -191,7 +205,7 @@ PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
 DECODE_TILES = Tiles(block_m=16, block_n=64, num_warps=4, num_stages=3)
 MAX_SPLITS = 16
 NO_WINDOW = 1 << 30  # the kernel's window without a sliding window: beyond any context
-MAX_DEEP_PIPELINE_HEAD_DIM = 128  # beyond it three K/V stages overflow shared memory
+_INTERPRETED_SHARED_MEMORY = 232448  # an H200's per-program limit, for the CPU's choices
 
 
 @functools.cache
@@ -201,6 +215,41 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETED_SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def fit_tiles(
+    tiles: Tiles, block_m: int, head_dim_p2: int, itemsize: int, device: torch.device
+) -> Tiles:
+    """`tiles` with K/V tiles and pipeline stages cut until a program's shared memory
+    fits the device: the query tile plus `num_stages` K/V tiles of `block_n` rows
+    (what Triton 3.6 allocates for sm90, within 2 KiB). DeepSeek's 576-value latent
+    rows need this; head dims up to 128 keep the tuned tiles.
+
+    Raises ValueError when even one 16-row stage does not fit (MLA with 64+ query
+    heads per rank and the 512 + 64 latent: shard the heads with tensor parallelism)."""
+    limit = _shared_memory(device) - 4096  # the softmax rows and Triton's own scratch
+    block_n, stages = tiles.block_n, tiles.num_stages
+    while (block_m + stages * block_n) * head_dim_p2 * itemsize > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(
+                f"paged attention of {block_m} query rows x head dim {head_dim_p2} does not "
+                f"fit in {limit + 4096} bytes of shared memory; use fewer query heads per "
+                "KV head on a rank (tensor_parallel_size)"
+            )
+    return Tiles(tiles.block_m, block_n, tiles.num_warps, stages)
+
+
 def decode_splits(
     num_seqs: int, num_kv_heads: int, max_kv_tokens: int, device: torch.device
 ) -> int:
@@ -208,9 +257,8 @@ def decode_splits(
 
     On an H200 this matched the best measured count for batch 1 to 256 at 768 to
     8192 tokens (short single sequences excepted, within 15%): splitting a batch
-    that already fills the GPU only adds merge traffic. A power of two
-    (the merge kernel tiles over it), at most one per tile of the block table's
-    width, so the choice depends on shapes alone.
+    that already fills the GPU only adds merge traffic. A power of two, at most one
+    per tile of the block table's width, so the choice depends on shapes alone.
     """
     splits = triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads))
     cap = min(MAX_SPLITS, max_kv_tokens // DECODE_TILES.block_n)
@@ -258,15 +306,19 @@ def paged_attention(
     block_m = max(tiles.block_m, group_p2)
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs K >= 16
 
-    part_out = part_lse = out  # placeholders, unused when there is a single split
+    tiles = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
+
+    part_out = part_lse = arrivals = out  # placeholders, unused with a single split
     if splits > 1:
         part_out = query.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
         part_lse = query.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
+        arrivals = arrival_counters("paged_attention", query.device, num_seqs * num_kv_heads)
     grid = (triton.cdiv(max_q_len, block_m // group_p2) * splits, num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
+        arrivals,
         query,
         k_cache,
         v_cache,
@@ -291,21 +343,9 @@ def paged_attention(
         NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages if head_dim_p2 <= MAX_DEEP_PIPELINE_HEAD_DIM else 2,
+        num_stages=tiles.num_stages,
         **pdl_launch(query.device),
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            part_out,
-            part_lse,
-            num_q_heads,
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P2=head_dim_p2,
-            NUM_SPLITS=splits,
-            **pdl_launch(query.device),
-        )
     return out
 
 
