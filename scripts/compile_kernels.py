@@ -103,17 +103,19 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
         "qk_scale": "fp32",
     }
     cases = [
-        (name, 2, 128, tiles, splits, pdl)
-        for (name, tiles), splits, pdl in itertools.product(
+        (name, 2, 128, tiles, splits, pdl, window)
+        for (name, tiles), splits, pdl, window in itertools.product(
             (("decode", paged_attention.DECODE_TILES), ("prefill", paged_attention.PREFILL_TILES)),
             (1, 4),
+            (False, True),
             (False, True),
         )
         if name == "decode" or splits == 1
     ]
-    cases += [("mla", heads, 576, paged_attention.DECODE_TILES, 4, True) for heads in (16, 32)]
+    mla = paged_attention.DECODE_TILES
+    cases += [("mla", heads, 576, mla, 4, True, False) for heads in (16, 32)]
     variants = []
-    for name, group, head_dim, tiles, splits, pdl in cases:
+    for name, group, head_dim, tiles, splits, pdl, window in cases:
         dim_p2 = triton.next_power_of_2(head_dim)
         block_m = max(tiles.block_m, group)
         tiles = paged_attention.fit_tiles(tiles, block_m, dim_p2, 2, torch.device("cpu"))
@@ -126,11 +128,15 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
+            HAS_WINDOW=window,
             DOT_PRECISION="tf32",
             USE_PDL=pdl,
         )
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        label = f"paged attention {name} heads/kv={group} {tiles} splits={splits} pdl={pdl:d}"
+        label = (
+            f"paged attention {name} heads/kv={group} {tiles} splits={splits} pdl={pdl:d} "
+            f"window={window:d}"
+        )
         variants.append((label, types, constexprs, options))
     return variants
 

@@ -163,7 +163,7 @@ def check_attention(
             sliding_window=sliding_window,
         )
         assert torch.equal(again, out)
-        assert not arrivals._COUNTERS[("paged_attention", torch.device(device))].any()
+        assert not arrivals._COUNTERS[("paged_attention", batch.query.device)].any()
 
 
 def check_mla_decode(

@@ -69,6 +69,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -106,33 +107,30 @@ def _paged_attention_kernel(
     kv_lo = kv_begin + split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
+    # Tiles of keys that every query row sees (before the tile's first query, with no
+    # window) skip the causal mask: on a long prefill, all but the diagonal ones.
+    first_q_pos = context_len - q_len + q_tile * BLOCK_Q
+    unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    kv_unmasked_end = kv_lo if HAS_WINDOW else kv_lo + unmasked
+
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kv_pos = start + tl.arange(0, BLOCK_N)
-        kv_ok = kv_pos < kv_hi
-        page = tl.load(
-            block_tables_ptr + seq * stride_bt + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0
-        ).to(tl.int64)
-        offset = kv_pos % BLOCK_SIZE
-        kv_mask = kv_ok[:, None] & dim_ok[None, :]
-        k_offs = page[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        visible &= kv_pos[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
-        p = tl.exp2(s - max_ref[:, None])
-        alpha = tl.exp2(row_max - max_ref)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+    table_ptr = block_tables_ptr + seq * stride_bt
+    for start in range(kv_lo, kv_unmasked_end, BLOCK_N):
+        row_max, row_sum, acc = _attend_tile(
+            q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+            k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+        )  # fmt: skip
+    for start in range(kv_unmasked_end, kv_hi, BLOCK_N):
+        row_max, row_sum, acc = _attend_tile(
+            q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+            k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
+        )  # fmt: skip
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
@@ -154,6 +152,63 @@ def _paged_attention_kernel(
             )
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
             tl.atomic_xchg(counter, 0)  # ready for the next call
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    q_pos,
+    start,
+    kv_hi,
+    window,
+    qk_scale,
+    row_max,
+    row_sum,
+    acc,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    kv_head,
+    dim,
+    dim_ok,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax step over the BLOCK_N keys from `start`, gathered through the
+    sequence's block table row; MASKED applies the causal/window mask and the end of
+    the range, which tiles wholly visible to every row do without."""
+    kv_pos = start + tl.arange(0, BLOCK_N)
+    kv_ok = kv_pos < kv_hi
+    page = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    offset = kv_pos % BLOCK_SIZE
+    kv_mask = kv_ok[:, None] & dim_ok[None, :]
+    k_offs = page[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+    k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        visible &= kv_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(s, 1))
+    # Masked rows that see no key yet keep a max of -inf: exponentiate against 0.
+    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max) if MASKED else new_max
+    p = tl.exp2(s - max_ref[:, None])
+    alpha = tl.exp2(row_max - max_ref)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+    v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
 
 
 @triton.jit
@@ -341,6 +396,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
+        HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
