@@ -254,9 +254,10 @@ class Tiles:
     num_stages: int
 
 
-# Tuned on an H200, bf16, head_dim 128: prefill 180-250 TFLOP/s; decode at batch 64 x 768
-# tokens reads K/V at ~4.0 TB/s (1.5x the device's copy bandwidth).
-PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# Tuned on an H200, bf16, head_dim 128 (benchmarks/bench_attention.py --sweep, --prefill):
+# prefill of 1 x 8192 tokens ~240 TFLOP/s (these tiles were 5% ahead of 64 x 64 x 4 warps);
+# decode at batch 64 x 768 tokens reads K/V at ~4.0 TB/s (1.5x the copy bandwidth).
+PREFILL_TILES = Tiles(block_m=128, block_n=32, num_warps=8, num_stages=2)
 DECODE_TILES = Tiles(block_m=16, block_n=64, num_warps=4, num_stages=3)
 MAX_SPLITS = 16
 NO_WINDOW = 1 << 30  # the kernel's window without a sliding window: beyond any context
