@@ -7,8 +7,8 @@
 Front-end and back-end errors (a Triton version's typing rules, PTX assembly) show up
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
-prefetch), of the paged attention (decode splits with the merge inside, prefill, PDL,
-MLA's latent rows; each checked against sm90's shared memory), and the RMSNorm and
+prefetch), of the paged attention (decode splits, prefill, PDL, MLA's latent rows; each
+checked against sm90's shared memory) and its merge, and the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share.
 """
 
@@ -97,9 +97,7 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
     types = {
         **dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"),
         **dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "*fp32"),
-        **dict.fromkeys(
-            ("arrivals_ptr", "block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"), "*i32"
-        ),
+        **dict.fromkeys(("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"), "*i32"),
         "qk_scale": "fp32",
     }
     cases = [
@@ -128,7 +126,7 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
-            HAS_WINDOW=window,
+            UNMASKED_FIRST=name == "prefill" and not window,
             DOT_PRECISION="tf32",
             USE_PDL=pdl,
         )
@@ -151,6 +149,12 @@ def main() -> int:
         (paged_attention._paged_attention_kernel, (name, types, constexprs), options)
         for name, types, constexprs, options in attention_variants()
     ]
+    merge_types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    for pdl in (False, True):
+        merge = dict(HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=4, USE_PDL=pdl)
+        jobs.append(
+            (paged_attention._merge_splits_kernel, (f"merge pdl={pdl:d}", merge_types, merge), {})
+        )
     for pdl in (False, True):
         for residual in (False, True):
             constexprs = dict(HAS_RESIDUAL=residual, BLOCK=1024, USE_PDL=pdl)

@@ -325,14 +325,14 @@ def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
 
 @pytest.mark.gpu
 def test_decode_kernels_per_layer(tmp_path: Path) -> None:
-    """<= 6 kernels per decoder layer: qkv (norm + residual add fused in), q/k norm +
-    rotary + KV store, attention (split-K, merged by its last split), o_proj, gate_up
-    (norm + add fused in), down (SiLU*mul fused in). Counted as the difference between a 4- and a
+    """<= 7 kernels per decoder layer: qkv (norm + residual add fused in), q/k norm +
+    rotary + KV store, attention (2: split-K and merge), o_proj, gate_up (norm + add
+    fused in), down (SiLU*mul fused in). Counted as the difference between a 4- and a
     2-layer model, so the embedding and final norm are left out."""
     four, two = decode_step_kernels(tmp_path / "4", 4), decode_step_kernels(tmp_path / "2", 2)
     per_layer = (four.total() - two.total()) / 2
     print(f"\ndecode step: {per_layer:g} kernels per decoder layer")
-    assert per_layer <= 6, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
+    assert per_layer <= 7, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
 
 
 @dataclass

@@ -8,10 +8,11 @@ is what lets one kernel read every layout.
 
 Prefill tiles rows over the new tokens. Decode has one token per sequence, so
 it tiles the *context* instead (split-K, "flash-decoding"): each split writes
-a partial softmax, and the last split of a (sequence, KV head) to finish merges
-them (see extkv.kernels.arrivals), so decode is one kernel per layer. The split
-count comes from tensor shapes only and each split's share of the context is
-computed on the device, which keeps decode capturable in a CUDA graph.
+a partial softmax and a small second kernel merges them. The split count comes
+from tensor shapes only and each split's share of the context is computed on
+the device, which keeps decode capturable in a CUDA graph. (Merging in the
+attention kernel, by the last split to finish, measured no faster on the H200
+at batch 1: BENCHMARKS.md, 2026-12-04 "fused decode".)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import triton
 import triton.language as tl
 
 from extkv.attention.metadata import AttentionMetadata
-from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 _LOG2E = math.log2(math.e)
@@ -36,7 +36,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    arrivals_ptr,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -69,12 +68,14 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    UNMASKED_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
-    Splits (decode only: one query tile) leave partial results, merged by the last."""
+    UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
+    sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
+    which measured faster there (two pipelined loops cost ~15% at batch 256)."""
     wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     q_tile = tl.program_id(0) // NUM_SPLITS
@@ -107,51 +108,43 @@ def _paged_attention_kernel(
     kv_lo = kv_begin + split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
-    # Tiles of keys that every query row sees (before the tile's first query, with no
-    # window) skip the causal mask: on a long prefill, all but the diagonal ones.
-    first_q_pos = context_len - q_len + q_tile * BLOCK_Q
-    unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
-    kv_unmasked_end = kv_lo if HAS_WINDOW else kv_lo + unmasked
-
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
-    for start in range(kv_lo, kv_unmasked_end, BLOCK_N):
+    kv_masked_start = kv_lo
+    if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
+        first_q_pos = context_len - q_len + q_tile * BLOCK_Q
+        unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
+        kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
+        for start in range(kv_lo, kv_masked_start, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+                k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+            )  # fmt: skip
+    for start in range(kv_masked_start, kv_hi, BLOCK_N):
         row_max, row_sum, acc = _attend_tile(
             q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
             k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
-        )  # fmt: skip
-    for start in range(kv_unmasked_end, kv_hi, BLOCK_N):
-        row_max, row_sum, acc = _attend_tile(
-            q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
-            k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
             BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
         )  # fmt: skip
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
-    o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-    o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
     if NUM_SPLITS == 1:
+        o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        parts = ((q_start + token) * num_q_heads + head) * NUM_SPLITS
+        part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
         lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
-        part_o = part_out_ptr + (parts + split)[:, None] * HEAD_DIM + dim[None, :]
-        tl.store(part_o, o, mask=io_mask, cache_modifier=".wt")
-        tl.store(part_lse_ptr + parts + split, lse, mask=row_ok, cache_modifier=".wt")
-        tl.debug_barrier()  # every thread's partial is written before the arrival counts
-        counter = arrivals_ptr + seq * tl.num_programs(2) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            o = _merge_splits(
-                part_out_ptr, part_lse_ptr, parts, row_ok, dim, io_mask, HEAD_DIM, NUM_SPLITS
-            )
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next call
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -212,36 +205,35 @@ def _attend_tile(
 
 
 @triton.jit
-def _merge_splits(
+def _merge_splits_kernel(
+    out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    parts,
-    row_ok,
-    dim,
-    io_mask,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    stride_od,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """(BLOCK_M, HEAD_DIM_P2): the rows' split outputs weighted by their softmax mass, in
-    split order. Read past L1 (.cv): other programs wrote them."""
-    lse_max = tl.full(parts.shape, float("-inf"), tl.float32)
-    for split in range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + parts + split, mask=row_ok, other=float("-inf"), cache_modifier=".cv"
-        )
-        lse_max = tl.maximum(lse_max, lse)
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros(parts.shape, tl.float32)
-    o = tl.zeros(io_mask.shape, tl.float32)
-    for split in range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + parts + split, mask=row_ok, other=float("-inf"), cache_modifier=".cv"
-        )
-        weight = tl.exp2(lse - lse_ref)
-        part_o = part_out_ptr + (parts + split)[:, None] * HEAD_DIM + dim[None, :]
-        o += weight[:, None] * tl.load(part_o, mask=io_mask, other=0.0, cache_modifier=".cv")
-        total += weight
-    return o / tl.where(total > 0, total, 1.0)[:, None]
+    """Grid (num_tokens, num_q_heads): weight each split's output by its softmax mass."""
+    wait_for_previous_grid(USE_PDL)
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dim = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dim < HEAD_DIM
+
+    lse = tl.load(part_lse_ptr + part)
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=dim_ok[None, :])
+    total = tl.sum(weight, 0)
+    o = tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + token * stride_ot + head * stride_oh + dim * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @dataclass(frozen=True)
@@ -313,8 +305,9 @@ def decode_splits(
 
     On an H200 this matched the best measured count for batch 1 to 256 at 768 to
     8192 tokens (short single sequences excepted, within 15%): splitting a batch
-    that already fills the GPU only adds merge traffic. A power of two, at most one
-    per tile of the block table's width, so the choice depends on shapes alone.
+    that already fills the GPU only adds merge traffic. A power of two
+    (the merge kernel tiles over it), at most one per tile of the block table's
+    width, so the choice depends on shapes alone.
     """
     splits = triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads))
     cap = min(MAX_SPLITS, max_kv_tokens // DECODE_TILES.block_n)
@@ -364,17 +357,15 @@ def paged_attention(
 
     tiles = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
 
-    part_out = part_lse = arrivals = out  # placeholders, unused with a single split
+    part_out = part_lse = out  # placeholders, unused when there is a single split
     if splits > 1:
         part_out = query.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
         part_lse = query.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
-        arrivals = arrival_counters("paged_attention", query.device, num_seqs * num_kv_heads)
     grid = (triton.cdiv(max_q_len, block_m // group_p2) * splits, num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
-        arrivals,
         query,
         k_cache,
         v_cache,
@@ -397,12 +388,24 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
-        HAS_WINDOW=sliding_window is not None,
+        UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **pdl_launch(query.device),
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_q_heads,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
+            NUM_SPLITS=splits,
+            **pdl_launch(query.device),
+        )
     return out
 
 
