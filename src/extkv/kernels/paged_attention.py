@@ -117,22 +117,18 @@ def _paged_attention_kernel(
         first_q_pos = context_len - q_len + q_tile * BLOCK_Q
         unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
         kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
-        for start in range(kv_lo, kv_masked_start, BLOCK_N):
+    # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
+    for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
+        lo = kv_lo if phase == 0 else kv_masked_start
+        hi = kv_masked_start if phase == 0 else kv_hi
+        for start in range(lo, hi, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
                 q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
                 k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
             )  # fmt: skip
-    for start in range(kv_masked_start, kv_hi, BLOCK_N):
-        row_max, row_sum, acc = _attend_tile(
-            q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
-            k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
-            stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
-        )  # fmt: skip
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
