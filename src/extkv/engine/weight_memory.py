@@ -60,7 +60,6 @@ class WeightMemory:
         self.num_bytes = size
         self._region = ExtensibleTensor(size, device)
         self._region.resize_(size)
-        self.asleep = False
         for key, storage in self._storages.items():
             raw = torch.empty(0, dtype=torch.uint8, device=device)
             self._piece(storage).copy_(raw.set_(sources[key].untyped_storage()))
@@ -100,13 +99,14 @@ class WeightMemory:
     def offload(self, keep_parameters: bool) -> None:
         """Copy what wake needs back to host memory (everything, or with `keep_parameters`
         off only the storages buffers use) and give the region's memory back."""
-        pinned = self._region.device.type == "cuda"
+        cuda = self._region.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self._region.device)  # no kernel may still read the weights
         for storage in self._storages.values():
             if keep_parameters or storage.has_buffer:
-                storage.saved = torch.empty(storage.num_bytes, dtype=torch.uint8, pin_memory=pinned)
+                storage.saved = torch.empty(storage.num_bytes, dtype=torch.uint8, pin_memory=cuda)
                 storage.saved.copy_(self._piece(storage))
         self._region.shrink_per_segment_(0)
-        self.asleep = True
 
     def restore(self, reload_parameters: Callable[[], None]) -> None:
         """Commit the region again under the same addresses and copy back what `offload`
@@ -121,7 +121,6 @@ class WeightMemory:
             storage.saved = None
         if missing:
             reload_parameters()
-        self.asleep = False
 
     def free(self) -> None:
         """Give the region back for good; the model's tensors dangle after."""
