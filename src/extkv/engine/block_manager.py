@@ -150,11 +150,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         return moves
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block's content (it was lost, e.g. the KV cache slept)."""
-        self._cached.clear()
-        self._key_of.clear()
-
     # --- allocation ----------------------------------------------------------------------
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:

@@ -179,9 +179,9 @@ class ElasticMemory:
         self._kv_blocks = self.scheduler.block_manager.num_blocks
         self.scheduler.resize(0)  # idle: nothing moves; the prefix cache goes with its blocks
         self.kv_cache.shrink(0)
+        self._asleep, self.sleep_level = {KV_CACHE}, level  # wakeable should the next fail
         weights.offload(keep_parameters=level == 1)
-        self._asleep = set(TAGS)
-        self.sleep_level = level
+        self._asleep.add(WEIGHTS)
         logger.info(
             "Sleeping (level %d): gave back %.3f GiB of KV cache and %.3f GiB of weights "
             "(%s) in %.3f s.",

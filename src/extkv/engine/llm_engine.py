@@ -144,12 +144,12 @@ class LLMEngine:
         if not self.config.enable_sleep_mode:
             raise EngineStateError("sleep needs enable_sleep_mode=True (--enable-sleep-mode)")
         level = SLEEP_LEVELS.check("level", level)
-        outputs = self.drain() if drain else []
-        if self.has_unfinished_requests():
+        if self._requests and not drain:
             raise EngineStateError(
                 f"{len(self._requests)} request(s) in flight: let them finish, abort them, or "
                 "sleep with drain=True"
             )
+        outputs = self.drain()  # without requests: the tokens of a step still in flight
         self.elastic.sleep(level)
         return outputs
 
