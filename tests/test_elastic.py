@@ -101,7 +101,7 @@ SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # PARAMS'
 
 
 @settings(
-    max_examples=24,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
