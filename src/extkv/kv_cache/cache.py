@@ -272,8 +272,8 @@ class KVCache:
 
         If memory runs short, commits the largest count every buffer can hold and
         warns. The count is found with a scratch allocation before anything is
-        committed: buffers cannot shrink, so committing some of them to a count
-        the others cannot reach would strand memory.
+        committed: committing some buffers to a count the others cannot reach would
+        strand memory until a shrink (and, on CUDA, cost a copy to give it back).
         """
         self._require_extensible("extend")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
