@@ -14,6 +14,11 @@ remembered by its content (its tokens and everything before them). A new
 sequence starting with the same tokens takes those blocks instead of computing
 them again; blocks are shared by reference count. A freed block keeps its
 content until the pool hands it out again, least recently freed first.
+
+The pool can be resized between steps (the KV cache grown or shrunk while
+serving): growing adds free blocks; shrinking drops the free blocks past the new
+end and moves each held one there to a free block below it, its cached content
+too, returning the moves for the caller to copy and to rewrite tables with.
 """
 
 from __future__ import annotations
@@ -101,6 +106,50 @@ class BlockManager:
             parent = hash(key)
             seq.block_hashes.append(parent)
 
+    # --- resizing ------------------------------------------------------------------------
+
+    def num_held_from(self, num_blocks: int) -> int:
+        """Blocks from `num_blocks` on that some sequence holds: what shrinking there moves."""
+        return sum(1 for refs in self._refs[num_blocks:] if refs)
+
+    def num_free_below(self, num_blocks: int) -> int:
+        """Free blocks below `num_blocks`: where shrinking there can move blocks to."""
+        return sum(1 for block in self._free if block < num_blocks)
+
+    def resize(self, num_blocks: int) -> dict[int, int]:
+        """Make the pool `num_blocks` blocks; return {old: new} for every held block that
+        moved (those from `num_blocks` on, when shrinking; the caller copies their
+        contents and rewrites its tables). Free blocks past the end, and what they cached,
+        are forgotten. Raises if the held blocks past the end outnumber the free ones below."""
+        if num_blocks >= self.num_blocks:
+            self._free.update(dict.fromkeys(range(self.num_blocks, num_blocks)))
+            self._refs += [0] * (num_blocks - self.num_blocks)
+            self.num_blocks = num_blocks
+            return {}
+        held = [b for b in range(num_blocks, self.num_blocks) if self._refs[b]]
+        room = [b for b in self._free if b < num_blocks]
+        if len(held) > len(room):
+            raise RuntimeError(
+                f"cannot shrink to {num_blocks} blocks: {len(held)} held past it, "
+                f"{len(room)} free below it"
+            )
+        for block in range(num_blocks, self.num_blocks):
+            if block in self._free:
+                self._forget(block)
+                del self._free[block]
+        moves = dict(zip(held, room, strict=False))
+        for old, new in moves.items():
+            self._forget(new)
+            del self._free[new]
+            self._refs[new] = self._refs[old]
+            key = self._key_of.pop(old, None)
+            if key is not None:
+                self._cached[key] = new
+                self._key_of[new] = key
+        del self._refs[num_blocks:]
+        self.num_blocks = num_blocks
+        return moves
+
     # --- allocation ----------------------------------------------------------------------
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
@@ -161,8 +210,12 @@ class BlockManager:
     def _take_free(self) -> int:
         """The least recently freed block; whatever it held is forgotten."""
         block = next(iter(self._free))
+        self._forget(block)
+        self._take(block)
+        return block
+
+    def _forget(self, block: int) -> None:
+        """Drop what `block` caches, if anything."""
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._cached[key]
-        self._take(block)
-        return block

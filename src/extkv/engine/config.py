@@ -127,6 +127,13 @@ class EngineConfig:
         "tensor_parallel_size > 1",
         Bool(optional=True),
     )
+    enable_sleep_mode: bool = option(
+        False,
+        "allow sleep() and wake_up() (the server's /sleep, /wake_up, /is_sleeping): the "
+        "weights and the KV cache live in virtual memory that sleep gives back and wake maps "
+        "again under the same addresses; needs the extensible KV cache",
+        Bool(),
+    )
     worker_heartbeat_timeout: float = option(
         30.0,
         "seconds a tensor-parallel worker may go silent before the engine gives it up",
@@ -148,6 +155,15 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_memory_bytes cannot be combined with enable_extensible_kv_cache: "
                 "the extensible KV cache sizes itself from the memory left after capture"
+            )
+        if self.enable_sleep_mode and self.enable_extensible_kv_cache is False:
+            raise ValueError(
+                "enable_sleep_mode needs enable_extensible_kv_cache=True (or 'auto'): sleep "
+                "gives back the KV cache's memory under addresses the CUDA graphs keep"
+            )
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_sleep_mode needs tensor_parallel_size=1 (the workers cannot sleep yet)"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1

@@ -15,6 +15,12 @@ flight are pending (see `Sequence`), a sequence that an in-flight token will
 finish by length is not scheduled again, one that it finishes by a stop token
 has computed one step for nothing, and a sequence whose token is in flight
 never preempts others for a block (it waits a step instead).
+
+Between steps the block pool can be resized (`resize`): to shrink it, the most
+recently admitted sequences holding blocks past the new end are preempted until
+the blocks held there fit into the free ones below it, and those move. A
+sequence preempted with a token in flight is recomputed only once that token
+has arrived.
 """
 
 from __future__ import annotations
@@ -162,8 +168,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if self._waits_for_leader(seq):
-                continue
+            if seq.num_pending or self._waits_for_leader(seq):
+                continue  # preempted with a token in flight: recomputed once it is here
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
@@ -230,6 +236,23 @@ class Scheduler:
         self.block_manager.allocate(seq, num_tokens)
         return True
 
+    def resize(self, num_blocks: int) -> tuple[dict[int, int], int]:
+        """Resize the block pool to `num_blocks`, preempting what must go to shrink it;
+        return the block moves ({old: new}, every table already rewritten: the caller
+        copies the blocks' contents before the next step) and how many sequences were
+        preempted."""
+        blocks = self.block_manager
+        preempted = 0
+        while blocks.num_held_from(num_blocks) > blocks.num_free_below(num_blocks):
+            self._preempt(next(s for s in reversed(self.running) if _holds_from(s, num_blocks)))
+            preempted += 1
+        moves = blocks.resize(num_blocks)
+        if moves:
+            for seq in self.running:
+                seq.block_table = [moves.get(b, b) for b in seq.block_table]
+                seq.state_blocks = [moves.get(b, b) for b in seq.state_blocks]
+        return moves, preempted
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -295,3 +318,8 @@ class Scheduler:
         self.block_manager.free(seq)
         del self._requests[seq.request_id]
         self._finished.append(seq.request_id)
+
+
+def _holds_from(seq: Sequence, num_blocks: int) -> bool:
+    """Whether `seq` holds a block from `num_blocks` on (released entries are NO_BLOCK, < 0)."""
+    return any(b >= num_blocks for b in (*seq.block_table, *seq.state_blocks))

@@ -33,6 +33,7 @@ from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.errors import StartupError
 from extkv.engine.model_runner import ModelRunner, make_kv_cache_plan
+from extkv.engine.weight_memory import WeightMemory
 from extkv.kv_cache import KVCache
 from extkv.models import ModelFacts, load_model, model_facts
 from extkv.vmm import VirtualMemoryError, allocation_granularity
@@ -190,10 +191,20 @@ def start_rank(
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         kv_plan = make_kv_cache_plan(model, config)
-        runner = ModelRunner(config, model, kv_plan, facts.vocab_size, group)
+        # Sleep mode: the weights move where sleep can give them back, before any address
+        # of theirs is taken (the profile run, the graphs).
+        weights = WeightMemory(model, config.device) if config.enable_sleep_mode else None
+        runner = ModelRunner(config, model, kv_plan, facts.vocab_size, group, weights)
         cache, report = initialize_kv_cache(runner, config, free_at_start)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise _out_of_memory(config, e) from e
+    if config.enable_sleep_mode and not report.extensible:
+        cache.free()
+        runner.release()
+        raise StartupError(
+            f"enable_sleep_mode needs the extensible KV cache, and {config.device} has no "
+            "virtual memory management for it"
+        )
     report.load_seconds = load_seconds
     return runner, cache, report, facts
 
