@@ -12,7 +12,7 @@ Then, between steps, through the same resize as `LLM.resize_kv_cache`:
   error: the cache stays at its size and requests wait, as under the static policy. That
   is logged once, and no grow is tried again until the device reports more free memory
   than it did then (so a full device costs no probe per step).
-- give back: `release_idle`, called before every step (and by the server while idle),
+- give back: `release_idle`, called after every step (and by the server while idle),
   keeps the most blocks held at once during the last `kv_idle_release_s` seconds, rounded
   up to whole granules and at least the floor, and shrinks to that. No request is
   preempted (at least as many blocks as are held stay), but held blocks past the new end

@@ -146,7 +146,7 @@ class LLMEngine:
         return {**self.elastic.status(), **policy}
 
     def release_idle_kv_cache(self) -> float | None:
-        """Let the elastic policy give back the KV cache's idle blocks (`step` does it before
+        """Let the elastic policy give back the KV cache's idle blocks (`step` does it after
         every step; an idle server calls this); the seconds until it should be called
         again, None when nothing is left to give back (or the policy is static)."""
         self._check_usable()
@@ -280,7 +280,10 @@ class LLMEngine:
         unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
         self._check_usable()
         try:
-            return self._step(finished_only)
+            outputs = self._step(finished_only)
+            if self.kv_policy is not None:  # after the step: what it freed counts as freed now
+                self.kv_policy.release_idle()
+            return outputs
         except Exception as e:
             if is_fatal(e):
                 self._dead = e
@@ -288,8 +291,6 @@ class LLMEngine:
             raise
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
-        if self.kv_policy is not None:
-            self.kv_policy.release_idle()
         plan = self.scheduler.schedule()  # with the elastic policy, may grow the KV cache
         launched = None
         failed: list[RequestOutput] = []
