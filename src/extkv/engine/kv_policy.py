@@ -13,8 +13,9 @@ Then, between steps, through the same resize as `LLM.resize_kv_cache`:
   is logged once, and no grow is tried again until the device reports more free memory
   than it did then (so a full device costs no probe per step).
 - give back: `release_idle`, called after every step (and by the server while idle),
-  keeps the most blocks held at once during the last `kv_idle_release_s` seconds, rounded
-  up to whole granules and at least the floor, and shrinks to that. No request is
+  keeps the most blocks held at once during the last `kv_idle_release_s` seconds (blocks
+  committed in that time, by a grow or by `resize_kv_cache`, count as held), rounded up
+  to whole granules and at least the floor, and shrinks to that. No request is
   preempted (at least as many blocks as are held stay), but held blocks past the new end
   move below it (a copy per block and layer): the pool hands out the least recently
   freed block first (prefix caching), so under load held blocks are scattered and a free
@@ -71,6 +72,7 @@ class ElasticKVCachePolicy:
         self._peaks: deque[tuple[float, int]] = deque()
         self._free_when_refused: int | None = None  # the device's free bytes at a refused grow
         self._whole: dict[int, int] = {}  # whole_granules, memoised: the geometry is fixed
+        self._last_num_blocks = self.blocks.num_blocks  # at the last release_idle
         logger.info(
             "Elastic KV cache policy: %d blocks committed, growing on demand up to %d; "
             "blocks unused for %g s are given back.",
@@ -110,6 +112,8 @@ class ElasticKVCachePolicy:
             return None
         now = self.clock()
         peak = self.blocks.take_peak_used()
+        if self.blocks.num_blocks > self._last_num_blocks:  # committed just now: not idle yet
+            peak = self.blocks.num_blocks
         while self._peaks and self._peaks[-1][1] <= peak:
             self._peaks.pop()
         self._peaks.append((now, peak))
@@ -118,6 +122,7 @@ class ElasticKVCachePolicy:
         target = max(self._whole_granules(self._peaks[0][1]), self.floor)
         if target < self.blocks.num_blocks:
             self.elastic.resize_kv_cache(num_blocks=target)
+        self._last_num_blocks = self.blocks.num_blocks
         if self.blocks.num_blocks <= self.floor:
             return None
         return self._peaks[0][0] + self.idle_release_s - now

@@ -295,7 +295,9 @@ class AsyncEngine:
         cache policy may next give memory back (None: until a command comes)."""
         if self.engine.has_unfinished_requests():
             return 0
-        return self.engine.release_idle_kv_cache()
+        wait = self.engine.release_idle_kv_cache()
+        self.metrics.update_engine(self.engine.stats())  # what it gave back, shown now
+        return wait
 
     def _take_commands(self, wait: float | None) -> bool:
         """Apply every queued command, waiting `wait` seconds for one (None: as long as it
