@@ -16,7 +16,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.errors import EngineAsleepError, EngineStateError
 from extkv.engine.host_memory import resident_bytes
-from helpers import extkv_tokens
+from helpers import assert_nothing_leaked, extkv_tokens
 
 OPTIONS = dict(
     cpu_memory_budget_bytes=96 << 20,
@@ -65,16 +65,6 @@ def decode_through(
         tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
     assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
     return [tokens[i] for i in ids], reports
-
-
-def assert_nothing_leaked(llm: LLM) -> None:
-    """Every block free and accounted for, the cache and the pool agreeing on their size, and
-    no granule mapped beyond what the committed blocks need."""
-    blocks, cache = llm.engine.block_manager, llm.engine.kv_cache
-    assert blocks.num_used_blocks == 0 and not any(blocks._refs)
-    assert len(blocks._free) == blocks.num_blocks == cache.num_blocks
-    assert cache.blocks_within(cache.committed_bytes) >= cache.num_blocks
-    assert cache.blocks_within(cache.committed_bytes - 1) < cache.num_blocks
 
 
 def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Served) -> None:

@@ -104,6 +104,7 @@ def test_resize_over_http(elastic: Server) -> None:
     before = tokens(elastic)
     status = httpx.get(f"{elastic.url}/kv_cache").json()
     assert status["extensible"] and status["num_blocks_used"] == 0
+    assert status["policy"] == "static" and status["num_blocks_ceiling"] is None
     assert status["num_blocks"] <= status["num_blocks_capacity"]
     shrinks = status["num_resizes"]["shrink"]
     report = post(elastic, "/kv_cache/resize", json={"num_blocks": MIN_BLOCKS + 10}).json()
@@ -152,3 +153,26 @@ def test_without_sleep_mode_there_are_no_sleep_endpoints(server: Server) -> None
     response = post(server, "/kv_cache/resize", json={"num_blocks": MIN_BLOCKS})
     assert response.status_code == 409
     assert "needs the extensible KV cache" in response.json()["error"]["message"]
+
+
+def test_the_elastic_policy_over_http(
+    checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """/kv_cache shows the policy and its bounds; an idle server gives back, on its own
+    after --kv-idle-release-s, what was grown past the floor."""
+    log = tmp_path_factory.mktemp("policy") / "server.log"
+    flags = ("--enable-extensible-kv-cache", "--kv-cache-policy=elastic", "--kv-idle-release-s=1")
+    with running(Server(checkpoints[1], log, *flags)) as (server,):
+        status = httpx.get(f"{server.url}/kv_cache").json()
+        floor, ceiling = status["num_blocks_floor"], status["num_blocks_ceiling"]
+        assert status["policy"] == "elastic" and status["idle_release_s"] == 1.0
+        assert (
+            MIN_BLOCKS <= floor == status["num_blocks"] < ceiling <= status["num_blocks_capacity"]
+        )
+        before = tokens(server)
+        grown = post(server, "/kv_cache/resize", json={"num_blocks": ceiling}).json()
+        assert grown["num_blocks"] == ceiling
+        metric_becomes(server, "extkv_kv_cache_blocks", floor)  # idle for a second: given back
+        metric_becomes(server, "extkv_kv_cache_resizes{direction=shrink}", 1)
+        assert httpx.get(f"{server.url}/kv_cache").json()["num_blocks"] == floor
+        assert tokens(server) == before

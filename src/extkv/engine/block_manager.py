@@ -55,6 +55,7 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
+        self._peak_used = 0  # the most blocks held at once since take_peak_used
 
     @property
     def num_used_blocks(self) -> int:
@@ -87,6 +88,7 @@ class BlockManager:
         seq.block_table = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.needs.block_size
         self.num_cached_tokens += seq.num_computed_tokens
+        self._peak_used = max(self._peak_used, self.num_used_blocks)
         self.remember_computed(seq)
 
     def remember_computed(self, seq: Sequence) -> None:
@@ -157,11 +159,23 @@ class BlockManager:
         held = len(seq.block_table) + len(seq.state_blocks)
         return max(self.needs.blocks_for(num_tokens) - held, 0)
 
-    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
-        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+    def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> int:
+        """Free blocks the pool lacks for `seq` (about to take the cached `reusing` blocks)
+        to hold `num_tokens`: 0 when it fits."""
         missing = self.blocks_missing(seq, num_tokens) - len(reusing)
         free = len(self._free) - sum(1 for b in reusing if b in self._free)
-        return max(missing, 0) <= free
+        return max(missing - free, 0)
+
+    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
+        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+        return self.blocks_short(seq, num_tokens, reusing) == 0
+
+    def take_peak_used(self) -> int:
+        """The most blocks held at once since the last call (what the elastic policy keeps
+        committed); the next period starts from what is held now."""
+        used = self.num_used_blocks
+        peak, self._peak_used = max(self._peak_used, used), used
+        return peak
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` the blocks it lacks for `num_tokens` tokens; raises if too few are free."""
@@ -173,6 +187,7 @@ class BlockManager:
             seq.state_blocks = [self._take_free() for _ in range(groups)]
             missing -= groups
         seq.block_table.extend(self._take_free() for _ in range(missing))
+        self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """With a sliding window, free `seq`'s leading blocks that its next query (at

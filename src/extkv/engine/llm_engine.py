@@ -2,7 +2,8 @@
 
 `LLM.generate` drives it to completion; a server drives it step by step. Between
 steps its memory can change (`resize_kv_cache`, `sleep`, `wake_up`: see
-extkv.engine.elastic).
+extkv.engine.elastic), also by itself under the elastic KV cache policy
+(extkv.engine.kv_policy).
 
 With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and
@@ -28,6 +29,7 @@ from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
 from extkv.engine.elastic import SLEEP_LEVELS, ElasticMemory, KVCacheResize
 from extkv.engine.errors import EngineDeadError, EngineStateError, is_fatal
+from extkv.engine.kv_policy import STATIC_STATUS, ElasticKVCachePolicy
 from extkv.engine.model_runner import SampledTokens
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.request_state import RequestState, completion_ids, completion_params
@@ -85,6 +87,12 @@ class LLMEngine:
             eos_token_ids=frozenset(facts.eos_token_ids),
         )
         self.elastic = ElasticMemory(config, self.runner, self.kv_cache, self.scheduler)
+        self.kv_policy: ElasticKVCachePolicy | None = None  # None: the static policy
+        if config.kv_cache_policy == "elastic":
+            self.kv_policy = ElasticKVCachePolicy(
+                self.elastic, self.report.num_blocks_ceiling, config.kv_idle_release_s
+            )
+            self.scheduler.grow = self.kv_policy.grow
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, RequestState] = {}  # unfinished, by request id
         self._states: dict[str, RequestState] = {}  # the same, by each sequence's id
@@ -132,8 +140,17 @@ class LLMEngine:
         return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
 
     def kv_cache_status(self) -> dict[str, object]:
-        """The KV cache now (committed, capacity, in use, resizes, what sleeps), as a dict."""
-        return self.elastic.status()
+        """The KV cache now (committed, capacity, in use, resizes, what sleeps, the policy
+        and its bounds), as a dict."""
+        policy = STATIC_STATUS if self.kv_policy is None else self.kv_policy.status()
+        return {**self.elastic.status(), **policy}
+
+    def release_idle_kv_cache(self) -> float | None:
+        """Let the elastic policy give back the KV cache's idle blocks (`step` does it after
+        every step; an idle server calls this); the seconds until it should be called
+        again, None when nothing is left to give back (or the policy is static)."""
+        self._check_usable()
+        return None if self.kv_policy is None else self.kv_policy.release_idle()
 
     def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
         """Give back the KV cache's and the weights' memory (level 1: weights kept in host
@@ -263,7 +280,10 @@ class LLMEngine:
         unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
         self._check_usable()
         try:
-            return self._step(finished_only)
+            outputs = self._step(finished_only)
+            if self.kv_policy is not None:  # after the step: what it freed counts as freed now
+                self.kv_policy.release_idle()
+            return outputs
         except Exception as e:
             if is_fatal(e):
                 self._dead = e
@@ -271,7 +291,7 @@ class LLMEngine:
             raise
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # with the elastic policy, may grow the KV cache
         launched = None
         failed: list[RequestOutput] = []
         if plan is not None:

@@ -349,25 +349,34 @@ class KVCache:
             blocks = buffer.blocks(self.capacity_blocks)
             blocks[:, dst] = blocks[:, src]
 
+    def bytes_for(self, num_blocks: int) -> int:
+        """Physical bytes `num_blocks` committed blocks take: whole granules."""
+        self._require_extensible("bytes_for")
+        granularity = self._granularity
+        return granularity * sum(
+            _granules_backing(b.memory, num_blocks * b.segment_block_bytes, granularity)
+            for b in self._buffers
+        )
+
     def blocks_within(self, num_bytes: int) -> int:
         """The most blocks whose committed memory (whole granules) is at most `num_bytes`."""
-        self._require_extensible("blocks_within")
-        granularity = self._granularity
-
-        def committed(num_blocks: int) -> int:
-            return granularity * sum(
-                _granules_backing(b.memory, num_blocks * b.segment_block_bytes, granularity)
-                for b in self._buffers
-            )
-
         low, high = 0, self.capacity_blocks
         while low < high:
             mid = (low + high + 1) // 2
-            if committed(mid) <= num_bytes:
+            if self.bytes_for(mid) <= num_bytes:
                 low = mid
             else:
                 high = mid - 1
         return low
+
+    def whole_granules(self, num_blocks: int) -> int:
+        """The most blocks the granules backing `num_blocks` hold: committing `num_blocks`
+        commits that many anyway, so a resize by whole granules goes there."""
+        return self.blocks_within(self.bytes_for(num_blocks))
+
+    def free_physical_bytes(self) -> int | None:
+        """What could be committed now on the cache's device (None: nothing bounds it)."""
+        return free_physical_bytes(self._device, self._backend)
 
     def _require_extensible(self, member: str) -> None:
         if not self.extensible:

@@ -5,7 +5,8 @@ Between steps it takes commands (add, abort, and `control`: a call on the engine
 such as a KV cache resize or sleep, at once or once no request is left) from a
 thread-safe inbox; after each step it hands every request's text delta to the
 event loop in one callback. Handlers never touch the engine: they `submit` and
-iterate the `RequestStream`, or await `control`.
+iterate the `RequestStream`, or await `control`. While idle it also wakes when the
+elastic KV cache policy may give memory back.
 
 A request whose step failed ends with `RequestFailedError` and the others carry on;
 an error the engine cannot recover from (`EngineDeadError`, or any error escaping a
@@ -269,7 +270,7 @@ class AsyncEngine:
         if self.engine.config.device.type == "cuda":
             torch.cuda.set_device(self.engine.config.device)  # a new thread starts on device 0
         try:
-            while self._take_commands(block=not self.engine.has_unfinished_requests()):
+            while self._take_commands(self._idle_wait()):
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
                 if self._held and not self.engine.has_unfinished_requests():
@@ -289,10 +290,20 @@ class AsyncEngine:
                 elif isinstance(command, _Control):
                     self._settle(command.future, dead)
 
-    def _take_commands(self, block: bool) -> bool:
-        """Apply every queued command, waiting for one if `block`; False on stop."""
+    def _idle_wait(self) -> float | None:
+        """How long to wait for a command: 0 while requests run; when idle, until the KV
+        cache policy may next give memory back (None: until a command comes)."""
+        if self.engine.has_unfinished_requests():
+            return 0
+        wait = self.engine.release_idle_kv_cache()
+        self.metrics.update_engine(self.engine.stats())  # what it gave back, shown now
+        return wait
+
+    def _take_commands(self, wait: float | None) -> bool:
+        """Apply every queued command, waiting `wait` seconds for one (None: as long as it
+        takes); False on stop."""
         try:
-            command = self._inbox.get(block=block)
+            command = self._inbox.get(block=wait != 0, timeout=wait)
         except queue.Empty:
             return True
         while command is not _STOP:
