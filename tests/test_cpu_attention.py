@@ -69,7 +69,8 @@ def test_after_a_prefix_the_cpu_takes_two_unmasked_flash_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A prompt after a cached prefix: the prefix part without a mask, the new part causal
-    in the kernel (no mask built), not a masked call over the new tokens' square."""
+    in the kernel (no mask built), not a masked call over the new tokens' square; neither
+    copies the K/V heads per query head."""
     q, k, v = qkv(700, 1000)
     calls: list[tuple[tuple[int, ...], bool, bool]] = []
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -80,7 +81,7 @@ def test_after_a_prefix_the_cpu_takes_two_unmasked_flash_calls(
 
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", recording)
     causal_attention(q, k, v, SCALE)
-    assert calls == [((1, 2, 300, 32), False, False), ((1, 6, 700, 32), True, False)]
+    assert calls == [((1, 2, 300, 32), False, False), ((1, 2, 700, 32), True, False)]
 
 
 @pytest.mark.parametrize(
@@ -208,3 +209,53 @@ def test_a_decode_batch_attends_together(
         query, cache[0], cache[1], metadata, SCALE, window
     )
     torch.testing.assert_close(in_pairs, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_cpu_prefill_reads_back_only_cached_prefixes(
+    monkeypatch: pytest.MonkeyPatch, qk_norm: bool
+) -> None:
+    """The CPU step (q/k prepared, K/V stored, attention) gives the new tokens' K/V to the
+    attention as computed: a whole prompt reads nothing back from the cache, a chunk after a
+    cached prefix only that prefix; the output and the cache are those of the kernels'
+    oracle (store, then attend over what the cache holds)."""
+    from extkv.attention import ops, reference
+    from extkv.attention.metadata import AttentionMetadata
+    from extkv.models import reference as model_reference
+
+    heads, kv_heads, dim, block_size = 6, 2, 32, 4
+    new, context = [5, 6], [5, 13]  # a whole prompt; 6 tokens after a prefix of 7
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(sum(new), (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 12])
+    cos_sin = torch.randn(16, dim, generator=gen)
+    norms = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen), 1e-6)
+    prepare = (qkv, positions, cos_sin, heads, kv_heads, *(norms if qk_norm else (None, None, 0)))
+    tables = torch.tensor([[5, 1, -1, -1], [0, 3, 2, 6]], dtype=torch.int32)
+    slot_mapping = torch.tensor([20, 21, 22, 23, 4, 15, 8, 9, 10, 11, 24])  # through tables
+    metadata = AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32),
+        context_lens=torch.tensor(context, dtype=torch.int32),
+        block_tables=tables,
+        max_seqlen_q=max(new),
+        max_context_len=max(context),
+    )
+    cache = torch.randn(2, 7, block_size, kv_heads, dim, generator=gen)
+    expected_cache = cache.clone()
+    q = model_reference.qk_norm_rope_store(*prepare, *expected_cache, slot_mapping)
+    expected = reference.paged_attention_reference(q, *expected_cache, metadata, SCALE)
+
+    read_back: list[int] = []
+    gather = reference.gather_context
+
+    def recording(cache, block_table, context_len, first_block=0):
+        read_back.append(context_len)
+        return gather(cache, block_table, context_len, first_block)
+
+    monkeypatch.setattr(reference, "gather_context", recording)
+    out = ops.rope_store_attention(*prepare, *cache, metadata, SCALE)
+    assert read_back == [0, 0, 7, 7]  # K and V of each sequence: its cached prefix only
+    assert torch.equal(cache, expected_cache)
+    assert torch.equal(out, expected)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from extkv.attention.metadata import get_forward_context
-from extkv.attention.ops import paged_attention, qk_norm_rope, qk_norm_rope_store, varlen_attention
+from extkv.attention.ops import qk_norm_rope, rope_store_attention, varlen_attention
 
 
 class QKNorm(NamedTuple):
@@ -65,10 +65,8 @@ class Attention(nn.Module):
             q, k, v = qk_norm_rope(*prepare, q_weight, k_weight, eps)
             out = varlen_attention(q, k, v, metadata.cu_seqlens_q, self.scale)
         else:
-            q = qk_norm_rope_store(
-                *prepare, q_weight, k_weight, eps, self.k_cache, self.v_cache, metadata.slot_mapping
-            )
-            out = paged_attention(
-                q, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window
+            cache = (self.k_cache, self.v_cache)
+            out = rope_store_attention(
+                *prepare, q_weight, k_weight, eps, *cache, metadata, self.scale, self.sliding_window
             )
         return out.view(-1, self.num_heads * self.head_dim)

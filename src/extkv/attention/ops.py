@@ -12,6 +12,7 @@ import torch
 from extkv.attention.metadata import AttentionMetadata
 from extkv.attention.reference import (
     paged_attention_reference,
+    store_kv_reference,
     store_rows,
     varlen_attention_reference,
 )
@@ -37,7 +38,7 @@ def qk_norm_rope(
     )
 
 
-def qk_norm_rope_store(
+def rope_store_attention(
     qkv: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
@@ -48,25 +49,26 @@ def qk_norm_rope_store(
     eps: float,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """As `qk_norm_rope`, k and v written into the paged cache (slot -1 skips); returns q."""
+    """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
+    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores.
+    On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
+    back from the cache only the prefixes it continues (a whole prompt: nothing)."""
+    prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
     if qkv.is_cuda:
-        from extkv.kernels.rotary import qk_norm_rope_store as impl
-    else:
-        from extkv.models.reference import qk_norm_rope_store as impl
-    return impl(
-        qkv,
-        positions,
-        cos_sin_cache,
-        num_q_heads,
-        num_kv_heads,
-        q_norm_weight,
-        k_norm_weight,
-        eps,
-        k_cache,
-        v_cache,
-        slot_mapping,
+        from extkv.kernels.rotary import qk_norm_rope_store
+
+        q = qk_norm_rope_store(
+            *prepare, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, metadata.slot_mapping
+        )
+        return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
+    q, k, v = qk_norm_rope(*prepare, q_norm_weight, k_norm_weight, eps)
+    store_kv_reference(k, v, k_cache, v_cache, metadata.slot_mapping)
+    return paged_attention_reference(
+        q, k_cache, v_cache, metadata, scale, sliding_window, new_kv=(k, v)
     )
 
 

@@ -24,11 +24,13 @@ from extkv.attention.metadata import AttentionMetadata
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write row `t` of `rows` (T, ...) to slot `slot_mapping[t]` of a paged cache
-    (num_blocks, block_size, ...); -1 skips it."""
+    (num_blocks, block_size, ...); -1 skips it (a decode batch's padding rows: a prefill
+    has none, and its rows are not copied to drop them)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    if not bool(keep.all()):
+        rows, slot_mapping = rows[keep], slot_mapping[keep]
     block_size = cache.shape[1]
-    cache[slots // block_size, slots % block_size] = rows[keep].to(cache.dtype)
+    cache[slot_mapping // block_size, slot_mapping % block_size] = rows.to(cache.dtype)
 
 
 def store_kv_reference(
@@ -91,28 +93,57 @@ def causal_attention(
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     if q.device.type == "cpu":
-        return _after_prefix_cpu(q, k, v, scale, offset)
+        return _after_prefix_cpu(q, k[:offset], v[:offset], k[offset:], v[offset:], scale)
     return masked_chunk_attention(q, k, v, scale)
 
 
-def _after_prefix_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+def prompt_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The prefix part and the causal part of a prompt after `offset` cached tokens, as
-    two calls of the CPU's flash kernel (the one SDPA takes, here for its log-sum-exp),
-    merged by softmax mass: the causal cost of one whole-prompt call, where one masked
-    call would compute (and mask) every score of the new tokens' square (1.5x slower at
-    8192 tokens). The prefix part folds each KV head's query heads into its query rows
-    (no mask there), so K/V are not copied per query head."""
+    """`causal_attention` of q (L, Hq, D) over a cached prefix's K/V and the L new tokens'
+    own, given apart: a whole prompt (no prefix) and the CPU's split after a prefix use
+    them as they are, so the new rows are never joined to the prefix (nor read back from
+    the cache they were just written to)."""
+    if prefix_k.shape[0] == 0:
+        return causal_attention(q, new_k, new_v, scale, sliding_window)
+    within_window = sliding_window is None or prefix_k.shape[0] + len(q) <= sliding_window
+    if q.device.type == "cpu" and within_window:
+        return _after_prefix_cpu(q, prefix_k, prefix_v, new_k, new_v, scale)
+    k, v = torch.cat((prefix_k, new_k)), torch.cat((prefix_v, new_v))
+    return causal_attention(q, k, v, scale, sliding_window)
+
+
+def _after_prefix_cpu(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The prefix part and the causal part of a prompt after a cached prefix, as two calls
+    of the CPU's flash kernel (the one SDPA takes, here for its log-sum-exp), merged by
+    softmax mass: the causal cost of one whole-prompt call, where one masked call would
+    compute (and mask) every score of the new tokens' square (1.5x slower at 8192
+    tokens). The prefix part folds each KV head's query heads into its query rows (no
+    mask there); the causal part gives the kernel the K/V heads as they are (it maps
+    query heads onto them itself, as SDPA's `enable_gqa`)."""
     q_len, num_heads, dim = q.shape
-    group = num_heads // k.shape[1]
-    q, k, v = (t.transpose(0, 1).float()[None] for t in (q, k, v))  # (1, H, L, D)
+    num_kv_heads = prefix_k.shape[1]
+    q, prefix_k, prefix_v, new_k, new_v = (
+        t.transpose(0, 1).float()[None] for t in (q, prefix_k, prefix_v, new_k, new_v)
+    )  # (1, H, L, D)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    folded = q.reshape(1, k.shape[1], group * q_len, dim)
-    prefix_out, prefix_lse = flash(folded, k[:, :, :offset], v[:, :, :offset], scale=scale)
+    folded = q.reshape(1, num_kv_heads, num_heads // num_kv_heads * q_len, dim)
+    prefix_out, prefix_lse = flash(folded, prefix_k, prefix_v, scale=scale)
     prefix_out = prefix_out.reshape(1, num_heads, q_len, dim)
     prefix_lse = prefix_lse.reshape(1, num_heads, q_len)
-    new_k, new_v = (t[:, :, offset:].repeat_interleave(group, 1) for t in (k, v))
     new_out, new_lse = flash(q, new_k, new_v, is_causal=True, scale=scale)
     top = torch.maximum(prefix_lse, new_lse)
     prefix_mass, new_mass = (torch.exp(lse - top)[..., None] for lse in (prefix_lse, new_lse))
@@ -163,23 +194,51 @@ def paged_attention_reference(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query (T, Hq, D) against each sequence's cached context (its last `sliding_window`
-    tokens per query, with a window); returns (T, Hq, D)."""
+    tokens per query, with a window); returns (T, Hq, D). `new_kv`: the step's key and
+    value rows (T, Hkv, D) as written to the cache, where the caller has them: a prefill
+    then reads back only the cached prefixes."""
     if metadata.max_seqlen_q == 1:
         return _decode(query, k_cache, v_cache, metadata, scale, sliding_window)
-    out = torch.empty_like(query)
     cu = metadata.cu_seqlens_q.tolist()
+    outs = []
     for s, context_len in enumerate(metadata.context_lens.tolist()):
-        q = query[cu[s] : cu[s + 1]]
-        # From the block of the first key the first query sees: the blocks before it, out
-        # of every window, may be freed. Positions are relative, so the window is too.
-        seen = 0 if sliding_window is None else context_len - len(q) - sliding_window + 1
-        first_block = max(0, seen) // k_cache.shape[1]
-        k = gather_context(k_cache, metadata.block_tables[s], context_len, first_block)
-        v = gather_context(v_cache, metadata.block_tables[s], context_len, first_block)
-        out[cu[s] : cu[s + 1]] = causal_attention(q, k, v, scale, sliding_window)
-    return out
+        rows = slice(cu[s], cu[s + 1])
+        new = None if new_kv is None else (new_kv[0][rows], new_kv[1][rows])
+        table = metadata.block_tables[s]
+        outs.append(
+            _prefill_one(
+                query[rows], k_cache, v_cache, table, context_len, scale, sliding_window, new
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(query.dtype).contiguous()
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None,
+    new: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One sequence's new tokens q (L, Hq, D) against its context: from the cache, or its
+    cached prefix from the cache and the rest from `new` (its own K/V rows)."""
+    # From the block of the first key the first query sees: the blocks before it, out of
+    # every window, may be freed. Positions are relative, so the window is too.
+    seen = 0 if sliding_window is None else context_len - len(q) - sliding_window + 1
+    first_block = max(0, seen) // k_cache.shape[1]
+    cached = context_len if new is None else context_len - len(q)
+    k = gather_context(k_cache, block_table, cached, first_block)
+    v = gather_context(v_cache, block_table, cached, first_block)
+    if new is None:
+        return causal_attention(q, k, v, scale, sliding_window)
+    return prompt_attention(q, k, v, *new, scale, sliding_window)
 
 
 # A decode's keys (and values) are gathered at most this many bytes at a time, each

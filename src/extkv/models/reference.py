@@ -80,10 +80,12 @@ def qk_norm_rope(
     """qkv (T, (Hq + 2 Hkv) * D) -> q (T, Hq, D), k, v (T, Hkv, D): q and k normed per
     head (when weights are given) and rotated with the cos/sin rows of `positions`."""
     qkv = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, -1))
-    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
-    if q_norm_weight is not None:
-        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].to(qkv.dtype).unsqueeze(1).chunk(2, dim=-1)
+    if q_norm_weight is None:  # q and k rotated together: half the ops (the same values)
+        qk = apply_rotary(qkv[:, : num_q_heads + num_kv_heads], cos, sin)
+        return qk[:, :num_q_heads], qk[:, num_q_heads:], qkv[:, num_q_heads + num_kv_heads :]
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
