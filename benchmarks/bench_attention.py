@@ -1,12 +1,16 @@
-"""Decode paged attention: how fast it reads the KV cache, on the Qwen3-0.6B and the
-SmolLM2-135M head shapes, with the engine's launch choices and (--sweep) the best
-tiles and split counts found by trying many.
+"""Paged attention: decode (how fast it reads the KV cache) on the Qwen3-0.6B and the
+SmolLM2-135M head shapes, and (--prefill) causal prefill of 1 x 8192 and 4 x 2048 new
+tokens on Qwen3-0.6B's, with the engine's launch choices and (--sweep) the best tiles
+and split counts found by trying many.
 
     python benchmarks/bench_attention.py [--batch-sizes 1 256] [--context 544] [--sweep]
+    python benchmarks/bench_attention.py --prefill [--sweep]
 
 Each sequence's context sits on randomly scattered 16-token blocks of one layer's
-cache (split layout, bf16); a case runs as a CUDA graph of 10 calls, replayed.
-`GB/s` is the K and V bytes a call must read over its time.
+cache (split layout, bf16); a case runs as a CUDA graph of 10 calls (prefill: 3),
+replayed. `GB/s` is the K and V bytes a decode call must read over its time;
+`TFLOP/s` counts a prefill's causal QK^T and PV as 2 x heads x head_dim x L^2 per
+sequence of L tokens (bench_prefill's count).
 """
 
 from __future__ import annotations
@@ -15,13 +19,21 @@ import argparse
 import itertools
 import json
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from triton.runtime.errors import OutOfResources
 
 from bench_gemv import graph_time_us
 from extkv.attention.metadata import AttentionMetadata
-from extkv.kernels.paged_attention import DECODE_TILES, Tiles, decode_splits, paged_attention
+from extkv.kernels.paged_attention import (
+    DECODE_TILES,
+    PREFILL_TILES,
+    Tiles,
+    decode_splits,
+    paged_attention,
+)
 
 logger = logging.getLogger("bench_attention")
 
@@ -30,8 +42,9 @@ BLOCK_SIZE = 16
 CALLS = 10
 
 
-def decode_case(batch: int, context: int, num_kv_heads: int, head_dim: int):
-    """A cache and the metadata of one decode step over it."""
+def paged_case(batch: int, context: int, q_len: int, num_kv_heads: int, head_dim: int):
+    """A cache and the metadata of one step over it: `q_len` new tokens per sequence
+    (1: decode; `context`: a prefill without a cached prefix)."""
     pages = -(-context // BLOCK_SIZE)
     num_blocks = batch * pages + 1
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
@@ -39,12 +52,12 @@ def decode_case(batch: int, context: int, num_kv_heads: int, head_dim: int):
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * pages].view(batch, pages)
     metadata = AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=torch.full((batch,), -1, device="cuda"),
-        cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
+        is_prefill=q_len > 1,
+        slot_mapping=torch.full((batch * q_len,), -1, device="cuda"),
+        cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q_len,
         context_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
         block_tables=tables.to(torch.int32),
-        max_seqlen_q=1,
+        max_seqlen_q=q_len,
         max_context_len=context,
     )
     return k_cache, v_cache, metadata
@@ -52,7 +65,7 @@ def decode_case(batch: int, context: int, num_kv_heads: int, head_dim: int):
 
 def bench_case(name: str, batch: int, context: int, sweep: bool) -> dict:
     num_q_heads, num_kv_heads, head_dim = HEADS[name]
-    k_cache, v_cache, metadata = decode_case(batch, context, num_kv_heads, head_dim)
+    k_cache, v_cache, metadata = paged_case(batch, context, 1, num_kv_heads, head_dim)
     query = torch.randn(batch, num_q_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(query)
     gb = 2 * batch * context * num_kv_heads * head_dim * 2 / 1e9
@@ -69,17 +82,59 @@ def bench_case(name: str, batch: int, context: int, sweep: bool) -> dict:
     row = {"case": f"{name} b{batch}", "default": {"us": us, "GB/s": gb / us * 1e6}}
     row["default"]["config"] = f"{DECODE_TILES}, splits={splits}"
     if sweep:
-        timings = []
-        for block_n, num_warps, num_stages, splits in itertools.product(
-            (64, 128), (4, 8), (2, 3), (1, 2, 4, 8)
-        ):
-            tiles = Tiles(DECODE_TILES.block_m, block_n, num_warps, num_stages)
-            try:
-                timings.append((time_us(splits, tiles), f"{tiles}, splits={splits}"))
-            except OutOfResources:
-                continue
-        timings.sort()
-        row["top"] = [(round(t, 2), round(gb / t * 1e6), c) for t, c in timings[:5]]
+        candidates = {
+            f"{tiles}, splits={splits}": partial(time_us, splits, tiles)
+            for block_n, num_warps, num_stages, splits in itertools.product(
+                (64, 128), (4, 8), (2, 3), (1, 2, 4, 8)
+            )
+            for tiles in [Tiles(DECODE_TILES.block_m, block_n, num_warps, num_stages)]
+        }
+        row["top"] = fastest(candidates, lambda us: gb / us * 1e6)
+    logger.info("%s", row)
+    return row
+
+
+def fastest(
+    candidates: dict[str, Callable[[], float]], rate: Callable[[float], float]
+) -> list[tuple[float, int, str]]:
+    """The five fastest of the launches `candidates` times (us), with their `rate`; a
+    launch whose tiles do not fit shared memory is left out."""
+    timings = []
+    for config, time_us in candidates.items():
+        try:
+            timings.append((time_us(), config))
+        except OutOfResources:
+            continue
+    timings.sort()
+    return [(round(t, 2), round(rate(t)), config) for t, config in timings[:5]]
+
+
+def bench_prefill_case(batch: int, length: int, sweep: bool) -> dict:
+    """One layer's causal prefill of `batch` sequences of `length` new tokens (Qwen3-0.6B's
+    heads), at PREFILL_TILES and (sweep) the five fastest of many tiles."""
+    num_q_heads, num_kv_heads, head_dim = HEADS["qwen3-0.6b"]
+    k_cache, v_cache, metadata = paged_case(batch, length, length, num_kv_heads, head_dim)
+    query = torch.randn(batch * length, num_q_heads, head_dim, device="cuda").bfloat16()
+    out = torch.empty_like(query)
+    tflop = 2 * num_q_heads * head_dim * length**2 * batch / 1e12
+
+    def time_us(tiles: Tiles) -> float:
+        def call(_: int) -> None:
+            paged_attention(query, k_cache, v_cache, metadata, 0.1, out, tiles=tiles)
+
+        return graph_time_us(call, 3)
+
+    us = time_us(PREFILL_TILES)
+    row = {"case": f"prefill {batch}x{length}", "default": {"us": us, "TFLOP/s": tflop / us * 1e6}}
+    row["default"]["config"] = str(PREFILL_TILES)
+    if sweep:
+        candidates = {
+            str(tiles): partial(time_us, tiles)
+            for tiles in itertools.starmap(
+                Tiles, itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+            )
+        }
+        row["top"] = fastest(candidates, lambda us: tflop / us * 1e6)
     logger.info("%s", row)
     return row
 
@@ -89,20 +144,27 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--context", type=int, default=544, help="tokens per sequence")
     parser.add_argument("--sweep", action="store_true", help="also try many tiles and splits")
+    parser.add_argument("--prefill", action="store_true", help="causal prefill, not decode")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = [
-        bench_case(name, batch, args.context, args.sweep)
-        for batch in args.batch_sizes
-        for name in HEADS
-    ]
-    print(f"== attention: decode, {args.context} tokens per sequence, us per call (GB/s)")
+    if args.prefill:
+        rows = [bench_prefill_case(b, n, args.sweep) for b, n in ((1, 8192), (4, 2048))]
+        title, unit = "causal prefill, one layer, us per call (TFLOP/s)", "TFLOP/s"
+    else:
+        rows = [
+            bench_case(name, batch, args.context, args.sweep)
+            for batch in args.batch_sizes
+            for name in HEADS
+        ]
+        title = f"decode, {args.context} tokens per sequence, us per call (GB/s)"
+        unit = "GB/s"
+    print(f"== attention: {title}")
     for r in rows:
         d = r["default"]
-        print(f"{r['case']:<18} {d['us']:7.2f} ({d['GB/s']:5.0f})  {d['config']}")
-        for us, gbs, config in r.get("top", []):
-            print(f"{'':18} {us:7.2f} ({gbs:5.0f})  {config}")
+        print(f"{r['case']:<18} {d['us']:7.2f} ({d[unit]:5.0f})  {d['config']}")
+        for us, rate, config in r.get("top", []):
+            print(f"{'':18} {us:7.2f} ({rate:5.0f})  {config}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -7,7 +7,8 @@
 Front-end and back-end errors (a Triton version's typing rules, PTX assembly) show up
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
-prefetch), of the paged attention (splits, PDL) and its merge, and the RMSNorm and
+prefetch), of the paged attention (decode splits, prefill, PDL, MLA's latent rows; each
+checked against sm90's shared memory) and its merge, and the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share.
 """
 
@@ -17,6 +18,7 @@ import inspect
 import itertools
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -26,14 +28,21 @@ from extkv.kernels import activation, gemv, norm, paged_attention
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
+SHARED_MEMORY = 232448  # an H100's/H200's per-program limit (bytes)
+
+
 def compile_for_hopper(
     fn: triton.JITFunction, types: dict[str, str], constexprs: dict, **options
 ) -> dict[str, str]:
     """Compile `fn` with pointer/scalar `types` by argument name (i32 for the rest) and
     return its assembly by stage. Every pointer and integer is marked 16-divisible, as
-    the launcher marks aligned tensors and sizes: without it no load is vectorized,
-    so none is pipelined, and the code is not what the GPU runs."""
+    the launcher marks aligned tensors and sizes, and innermost strides (`stride_*d`,
+    `stride_*k`) are the constant 1 the launcher specializes: without either no load
+    is vectorized, so none is pipelined, and neither the code nor its shared memory is
+    what the GPU runs. Fails where the program needs more shared memory than sm90 has."""
     names = list(inspect.signature(fn.fn).parameters)
+    unit = {n: 1 for n in names if n.startswith("stride_") and n[-1] in "dk"}
+    constexprs = {**unit, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -41,7 +50,10 @@ def compile_for_hopper(
         if signature[n].startswith("*") or signature[n] in ("i32", "i64")
     }
     source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options=options).asm
+    kernel = triton.compile(source, target=HOPPER, options=options)
+    if kernel.metadata.shared > SHARED_MEMORY:
+        raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory")
+    return kernel.asm
 
 
 def gemv_variants() -> list[tuple[str, dict[str, str], dict]]:
@@ -78,28 +90,52 @@ def gemv_variants() -> list[tuple[str, dict[str, str], dict]]:
     return variants
 
 
-def attention_variants() -> list[tuple[str, dict[str, str], dict]]:
+def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
+    """Decode and prefill tiles at Qwen3's head dim 128, with and without splits and PDL,
+    and DeepSeek's 576-value latent rows at 16 and 32 query heads, each with the tiles
+    `fit_tiles` cuts for it: (name, types, constexprs, launch options)."""
     types = {
         **dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"),
         **dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "*fp32"),
         **dict.fromkeys(("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"), "*i32"),
         "qk_scale": "fp32",
     }
+    cases = [
+        (name, 2, 128, tiles, splits, pdl, window)
+        for (name, tiles), splits, pdl, window in itertools.product(
+            (("decode", paged_attention.DECODE_TILES), ("prefill", paged_attention.PREFILL_TILES)),
+            (1, 4),
+            (False, True),
+            (False, True),
+        )
+        if name == "decode" or splits == 1
+    ]
+    mla = paged_attention.DECODE_TILES
+    cases += [("mla", heads, 576, mla, 4, True, False) for heads in (16, 32)]
     variants = []
-    for splits, pdl in itertools.product((1, 4), (False, True)):
+    for name, group, head_dim, tiles, splits, pdl, window in cases:
+        dim_p2 = triton.next_power_of_2(head_dim)
+        block_m = max(tiles.block_m, group)
+        tiles = paged_attention.fit_tiles(tiles, block_m, dim_p2, 2, torch.device("cpu"))
         constexprs = dict(
-            GROUP=2,
-            GROUP_P2=2,
-            HEAD_DIM=128,
-            HEAD_DIM_P2=128,
+            GROUP=group,
+            GROUP_P2=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=dim_p2,
             BLOCK_SIZE=16,
-            BLOCK_M=16,
-            BLOCK_N=64,
+            BLOCK_M=block_m,
+            BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
+            UNMASKED_FIRST=name == "prefill" and not window,
             DOT_PRECISION="tf32",
             USE_PDL=pdl,
         )
-        variants.append((f"paged attention splits={splits} pdl={pdl:d}", types, constexprs))
+        options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        label = (
+            f"paged attention {name} heads/kv={group} {tiles} splits={splits} pdl={pdl:d} "
+            f"window={window:d}"
+        )
+        variants.append((label, types, constexprs, options))
     return variants
 
 
@@ -109,7 +145,10 @@ GEMV_OPTIONS = dict(num_warps=4, num_stages=6)  # gemv_config's
 def main() -> int:
     print(f"Triton {triton.__version__}, target sm90")
     jobs = [(gemv._gemv_kernel, v, GEMV_OPTIONS) for v in gemv_variants()]
-    jobs += [(paged_attention._paged_attention_kernel, v, {}) for v in attention_variants()]
+    jobs += [
+        (paged_attention._paged_attention_kernel, (name, types, constexprs), options)
+        for name, types, constexprs, options in attention_variants()
+    ]
     merge_types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     for pdl in (False, True):
         merge = dict(HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=4, USE_PDL=pdl)

@@ -174,6 +174,16 @@ def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def assert_nothing_leaked(llm: LLM) -> None:
+    """Every block free and accounted for, the cache and the pool agreeing on their size, and
+    no granule mapped beyond what the committed blocks need."""
+    blocks, cache = llm.engine.block_manager, llm.engine.kv_cache
+    assert blocks.num_used_blocks == 0 and not any(blocks._refs)
+    assert len(blocks._free) == blocks.num_blocks == cache.num_blocks
+    assert cache.blocks_within(cache.committed_bytes) >= cache.num_blocks
+    assert cache.blocks_within(cache.committed_bytes - 1) < cache.num_blocks
+
+
 @torch.inference_mode()
 def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Logits of every token of a packed batch (no KV cache bound: causal per sequence)."""

@@ -1,7 +1,8 @@
 """BlockManager alone, no model: blocks for attention, for recurrent state and for both
 from one pool; prefix caching by content, shared by reference count, forgotten when the
-pool hands a block out again; and random add/grow/compute/free runs that never leak or
-share a block they should not."""
+pool hands a block out again; the pool resized (held blocks moved below a new end, their
+cached content with them); and random add/grow/compute/free/resize runs that never leak
+or share a block they should not."""
 
 from __future__ import annotations
 
@@ -200,6 +201,40 @@ def test_prefix_caching_is_refused_with_state_groups() -> None:
         BlockManager(8, MAMBA, prefix_caching=True)
 
 
+# ---------------------------------------------------------------- resizing
+
+
+def test_resize_grows_and_shrinks_moving_held_blocks_and_their_cache() -> None:
+    manager = BlockManager(4, ATTENTION, prefix_caching=True)
+    assert manager.resize(8) == {} and manager.num_blocks == 8
+    x = computed(manager, list(range(16)), "x")  # blocks 0-3
+    y = computed(manager, list(range(100, 108)), "y")  # 4-5
+    manager.free(x)
+    manager.free(y)  # free, oldest first: 6 7 0 1 2 3 4 5; all cached
+    z = computed(manager, list(range(200, 212)), "z")
+    assert z.block_table == [6, 7, 0]
+    moves = manager.resize(4)
+    assert moves == {6: 1, 7: 2}  # to the oldest free blocks below the new end
+    assert manager.num_blocks == 4 and manager.num_used_blocks == 3
+    z.block_table = [moves.get(b, b) for b in z.block_table]
+    # z's blocks are known by content under their new ids; y's (past the end) are gone.
+    assert manager.cached_prefix(make_seq([*range(200, 212), 1])) == [1, 2, 0]
+    assert manager.cached_prefix(make_seq([*range(100, 108), 1])) == []
+    manager.free(z)
+    assert manager.num_used_blocks == 0
+    assert manager.resize(0) == {} and manager.cached_prefix(make_seq([*range(200, 212), 1])) == []
+
+
+def test_shrinking_past_held_blocks_without_room_is_refused() -> None:
+    manager = BlockManager(4, ATTENTION)
+    a = computed(manager, list(range(12)))  # blocks 0-2
+    assert (manager.num_held_from(2), manager.num_free_below(2)) == (1, 0)
+    with pytest.raises(RuntimeError, match="cannot shrink to 2 blocks: 1 held past it, 0 free"):
+        manager.resize(2)
+    assert manager.num_blocks == 4 and a.block_table == [0, 1, 2]
+    assert manager.resize(3) == {} and manager.num_used_blocks == 3
+
+
 # ---------------------------------------------------------------- random runs
 
 
@@ -268,6 +303,24 @@ class BlockMachine(RuleBasedStateMachine):
         for i, block in enumerate(seq.block_table[: len(seq) // size]):
             self.content[block] = tuple(seq.token_ids[: (i + 1) * size])
         self.manager.remember_computed(seq)
+
+    @rule(num_blocks=st.integers(0, 16))
+    def resize(self, num_blocks: int) -> None:
+        """The pool resized as the scheduler does it: refused without room below the end,
+        else every table rewritten with the moves and each moved block's content copied."""
+        manager, target = self.manager, num_blocks
+        if manager.num_held_from(target) > manager.num_free_below(target):
+            with pytest.raises(RuntimeError, match="cannot shrink"):
+                manager.resize(target)
+            return
+        moves = manager.resize(target)
+        assert all(old >= target > new for old, new in moves.items())
+        kept = {b: c for b, c in self.content.items() if b < target and b not in moves.values()}
+        kept |= {new: self.content[old] for old, new in moves.items() if old in self.content}
+        self.content = kept
+        for seq in self.holders:
+            seq.block_table = [moves.get(b, b) for b in seq.block_table]
+            seq.state_blocks = [moves.get(b, b) for b in seq.state_blocks]
 
     @precondition(lambda self: self.holders)
     @rule(index=st.integers(0, 99))

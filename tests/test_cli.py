@@ -61,6 +61,11 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
         (["--enable-extensible-kv-cache", "maybe"], "one of True, False, 'auto'; got 'maybe'"),
         (["--max-pending-requests", "-3"], "--max-pending-requests must be an int in [1, 2**63)"),
         (["--dtype", "int4"], "--dtype: dtype must be one of ['bfloat16', 'float16', 'float32']"),
+        (
+            ["--kv-cache-policy", "dynamic"],
+            "--kv-cache-policy must be one of 'static', 'elastic'; got 'dynamic'",
+        ),
+        (["--kv-cache-policy=elastic"], "kv_cache_policy='elastic' needs enable_extensible_kv"),
     ],
 )
 def test_bad_flag_is_one_line_before_loading(
@@ -117,6 +122,23 @@ def test_help_shows_the_same_defaults_as_the_options() -> None:
         assert flag_of(f) in text
         if f.name not in ("model",):
             assert f"default: {f.default})" in flat, f.name
+
+
+def test_kv_cache_policy_flags_reach_the_engine_config(
+    config_only: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from extkv.cli import build_parser, engine_config
+
+    serve = ["serve", "--model", str(config_only), *CPU]
+    config = engine_config(build_parser().parse_args(serve))
+    assert (config.kv_cache_policy, config.kv_idle_release_s) == ("static", 30.0)
+    flags = ["--enable-extensible-kv-cache", "--kv-cache-policy=ELASTIC", "--kv-idle-release-s=2.5"]
+    config = engine_config(build_parser().parse_args([*serve, *flags]))
+    assert (config.kv_cache_policy, config.kv_idle_release_s) == ("elastic", 2.5)
+    for value in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*serve, f"--kv-idle-release-s={value}"])
+        assert "--kv-idle-release-s must be a number > 0; got" in capsys.readouterr().err
 
 
 def test_a_command_default_shows_in_its_help_and_can_be_turned_off(config_only: Path) -> None:

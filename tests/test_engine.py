@@ -53,7 +53,8 @@ def test_legacy_and_extensible_agree_and_extensible_logs_its_flow(
     extend = next(i for i, m in enumerate(messages) if m.startswith("Extended KV cache to "))
     assert reserve < extend
     report = extensible.memory_report()
-    assert messages[extend] == f"Extended KV cache to {report['num_blocks']} blocks."
+    assert messages[extend].startswith(f"Extended KV cache to {report['num_blocks']} blocks. ")
+    assert "GiB committed (+" in messages[extend] and messages[extend].endswith(" s.")
     assert report["extensible"] and not legacy.memory_report()["extensible"]
     assert report["kv_cache_bytes"] >= report["num_blocks"] * report["bytes_per_block"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

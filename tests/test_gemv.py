@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.kernels import gemv, pdl
+from extkv.kernels import arrivals, pdl
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.gemv import (
     MAX_ROWS,
@@ -86,7 +86,7 @@ def check_linear(
     x, weight, bias = random_linear(num_rows, k, n, dtype, with_bias, device)
     assert_matches_fp32(linear_small_batch(x, weight, bias, config), x, weight, bias)
     if config is not None and config.split_k > 1:  # the last of each tile reset its counter
-        assert not gemv._ARRIVALS[torch.device(device)].any()
+        assert not arrivals._COUNTERS[("linear_small_batch", x.device)].any()
 
 
 def check_batch_invariant(
@@ -335,9 +335,10 @@ def test_fused_inputs_gpu(k: int, n: int, num_rows: int) -> None:
 
 @pytest.mark.gpu
 def test_pdl_on_hopper() -> None:
-    """sm90+ launches the step's kernels with PDL when EXTKV_PDL=1 (gpu-check step-pdl)."""
+    """sm90+ launches the step's kernels with PDL unless EXTKV_PDL=0 (gpu-check
+    step-serial runs the engine's GPU tests that way)."""
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    wanted = hopper and os.environ.get("EXTKV_PDL") == "1"
+    wanted = hopper and os.environ.get("EXTKV_PDL", "1") == "1"
     assert pdl_launch(torch.device("cuda")).get("launch_pdl", False) == wanted
 
 

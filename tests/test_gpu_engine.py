@@ -1,5 +1,6 @@
 """The engine on CUDA: graphs on, extensible equals legacy on the Qwen3-0.6B shape,
-and extkv greedy follows transformers greedy in bf16."""
+extkv greedy follows transformers greedy in bf16, and resizing and sleep keep the
+graphs captured at start-up."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def test_extensible_equals_legacy_with_cuda_graphs(
     messages = [r.getMessage() for r in caplog.records]
     reserve = next(i for i, m in enumerate(messages) if m.startswith("Reserved address space"))
     report = extensible.memory_report()
-    extended = f"Extended KV cache to {report['num_blocks']} blocks."
-    assert extended in messages and messages.index(extended) > reserve
+    extended = f"Extended KV cache to {report['num_blocks']} blocks. "
+    assert any(i > reserve for i, m in enumerate(messages) if m.startswith(extended))
     assert run(extensible, prompts, GREEDY) == expected
     assert report["graph_pool_bytes"] > 0
     # Sized from what the capture really took: within 1% of the physical limit, never past it.
@@ -106,3 +107,31 @@ def test_greedy_follows_transformers_in_bf16(small_qwen3: Path) -> None:
         assert gap <= 0.02 * logits.abs().max().item(), (
             f"diverged at token {i}: transformers {hf[i]} vs extkv {tokens[i]}, logit gap {gap}"
         )
+
+
+def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path) -> None:
+    """Elastic memory on the device: after a resize down and up and a sleep at each level,
+    the decode graphs captured at start-up (the same objects: nothing is captured again)
+    give the same tokens, and sleep frees on the device what it says it gives back."""
+    prompts = random_prompts(8, 4096, seed=2)
+    options = dict(max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
+    llm = LLM(small_qwen3, enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    expected = run(llm, prompts, GREEDY)
+    blocks = llm.kv_cache_status()["num_blocks"]
+    shrunk = llm.resize_kv_cache(num_blocks=blocks // 4)
+    assert shrunk["committed_bytes"] < shrunk["previous_committed_bytes"]
+    assert run(llm, prompts, GREEDY) == expected
+    assert llm.resize_kv_cache(num_blocks=blocks)["num_blocks"] == blocks
+    for level in (1, 2):
+        engine = llm.engine
+        released = engine.kv_cache.committed_bytes + engine.runner.weights.committed_bytes
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        llm.sleep(level=level)
+        assert torch.cuda.mem_get_info()[0] - free_before >= 0.9 * released
+        llm.wake_up()
+        assert run(llm, prompts, GREEDY) == expected
+    assert llm.engine.runner.graphs is graphs
+    llm.close()

@@ -23,7 +23,12 @@ from extkv.attention.reference import (
     store_kv_reference,
     varlen_attention_reference,
 )
-from extkv.kernels.paged_attention import paged_attention, varlen_attention
+from extkv.kernels.paged_attention import (
+    DECODE_TILES,
+    fit_tiles,
+    paged_attention,
+    varlen_attention,
+)
 from extkv.kernels.store_kv import store_kv
 from helpers import LAYOUTS, Cache
 
@@ -210,6 +215,20 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
             partial(attn, "split", 16, 1, 32, **DECODE_CPU, num_splits=1, sliding_window=7),
         ],
     }
+
+
+def test_tiles_fit_shared_memory() -> None:
+    """Head dim 128 keeps the tuned decode tiles; DeepSeek's 576-value latent rows (1024
+    wide in the kernel) get fewer K/V rows and stages, down to what 64 query heads need;
+    128 heads cannot fit and the error says to shard them (sizes as sm90's 227 KiB)."""
+    cpu = torch.device("cpu")
+    assert fit_tiles(DECODE_TILES, 16, 128, 2, cpu) == DECODE_TILES
+    for heads, block_n, stages in ((16, 32, 2), (32, 32, 2), (64, 16, 2)):
+        tiles = fit_tiles(DECODE_TILES, heads, 1024, 2, cpu)
+        assert (tiles.block_n, tiles.num_stages) == (block_n, stages), heads
+        assert (heads + stages * block_n) * 1024 * 2 <= 232448 - 4096
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        fit_tiles(DECODE_TILES, 128, 1024, 2, cpu)
 
 
 @pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window"])

@@ -360,6 +360,83 @@ def test_hybrid(device: str) -> None:
     cache.free()
 
 
+# --- shrinking and moving blocks (elastic resizing) ---------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("layout", "segments"), [("split", 2), ("block_major", 1)])
+def test_shrink_gives_the_tail_back_and_extend_grows_it_again(
+    layout: str, segments: int, device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = attention_cache(layout, device, extensible=True)
+    views = {name: cache.layer_views[name].data_ptr() for name in cache.layer_views}
+    cache.extend(1500)
+    k, v = cache.kv_views("attn.0")
+    kept = [fill_(k[:100]), fill_(v[:100])]
+    with caplog.at_level(logging.INFO, logger="extkv.kv_cache"):
+        assert cache.shrink(100) == cache.num_blocks == 100
+    # 100 blocks fit one granule of every segment of both layers.
+    assert cache.committed_bytes == 2 * segments * granule(device)
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("Shrank KV cache to 100 blocks. ") and "GiB committed (-" in message
+    assert torch.equal(k[:100], kept[0]) and torch.equal(v[:100], kept[1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="extkv.kv_cache"):
+        assert cache.extend(600) == 600
+    assert caplog.records[0].getMessage().startswith("Extended KV cache to 600 blocks. ")
+    assert torch.equal(k[:100], kept[0]) and torch.equal(v[:100], kept[1])
+    assert is_zero(k[100:600]) and is_zero(v[100:600])
+    assert {name: cache.layer_views[name].data_ptr() for name in cache.layer_views} == views
+    assert cache.shrink(0) == 0 and cache.committed_bytes == 0
+    assert cache.extend(1) == 1
+    fill_(k[0])
+    cache.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_moves_every_layer_of_a_block(device: str) -> None:
+    """Attention K and V and Mamba states alike: a block is its bytes in every buffer."""
+    groups = [KVCacheGroup(["attn.0"], ATTN), KVCacheGroup(["mamba.0"], MAMBA)]
+    config = make_kv_cache_config(groups, NUM_BLOCKS)
+    cache = KVCache(config, {"attn.0": hybrid_layout(get_layout("split"))}, device, True)
+    cache.extend(8)
+    k, v = cache.kv_views("attn.0")
+    attention = [fill_(k[5]), fill_(v[5])]
+    states = [fill_(s[6]) for s in cache.layer_views["mamba.0"]]
+    untouched = [fill_(k[3]), fill_(v[3])]
+    cache.copy_blocks({5: 1, 6: 2})
+    assert torch.equal(k[1], attention[0]) and torch.equal(v[1], attention[1])
+    for state, saved in zip(cache.layer_views["mamba.0"], states, strict=True):
+        assert torch.equal(state[2], saved)
+    assert torch.equal(k[3], untouched[0]) and torch.equal(v[3], untouched[1])
+    with pytest.raises(ValueError, match=r"committed blocks, in \[0, 8\); got \[8\]"):
+        cache.copy_blocks({8: 0})
+    cache.free()
+
+
+def test_blocks_within_counts_whole_granules_and_shrink_errors() -> None:
+    cache = attention_cache("split", "cpu", extensible=True)
+    g = granule("cpu")
+    # Two layers' K and V: four segments of 4 KiB per block, 512 blocks per granule.
+    assert cache.blocks_within(4 * g - 1) == 0
+    assert cache.blocks_within(4 * g) == 512
+    assert cache.blocks_within(10 * g) == 1024  # 2.5 granules a segment: 2 whole ones
+    assert cache.blocks_within(1 << 40) == NUM_BLOCKS
+    cache.extend(1024)
+    assert cache.committed_bytes == 8 * g
+    with pytest.raises(ValueError, match="use extend"):
+        cache.shrink(1025)
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 0"):
+        cache.shrink(-1)
+    assert cache.num_blocks == 1024  # failed calls changed nothing
+    cache.free()
+    legacy = attention_cache("split", "cpu", extensible=False)
+    with pytest.raises(RuntimeError, match="shrink needs an extensible KV cache"):
+        legacy.shrink(1)
+    with pytest.raises(RuntimeError, match="extensible"):
+        legacy.blocks_within(g)
+
+
 def test_out_of_memory_commits_the_largest_count_that_fits(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -245,9 +245,16 @@ def test_two_ranks_equal_one(deepseek: Path) -> None:
         llm.close()
 
 
-# On CUDA (not run here; for the GPU machine's checks): fp32, so that the tokens are the
-# CPU's; a few blocks, so that the tiny model's KV cache does not take the whole GPU.
-CUDA = dict(SMALL, device="cuda", dtype=torch.float32, num_gpu_blocks_override=256)
+# On CUDA, against the CPU's tokens: fp32 so that they are the CPU's; a few blocks and a
+# small budget, so that the tiny model's KV cache leaves the GPU to the other tests.
+ON_CPU = dict(SMALL, device="cpu")
+CUDA = dict(
+    SMALL,
+    device="cuda",
+    dtype=torch.float32,
+    num_gpu_blocks_override=256,
+    gpu_memory_utilization=0.05,
+)
 
 
 @pytest.mark.gpu
@@ -256,10 +263,13 @@ CUDA = dict(SMALL, device="cuda", dtype=torch.float32, num_gpu_blocks_override=2
 def test_cuda_graphs_equal_the_cpu(deepseek: Path, extensible: bool) -> None:
     """Decode graphs captured over the latent store and the paged attention kernel (one
     KV head, the latent row as key and value) give the CPU's tokens."""
-    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
+    expected = extkv_tokens(LLM(deepseek, **ON_CPU), PROMPTS, GREEDY)
     llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **CUDA)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    try:
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.close()
 
 
 @pytest.mark.gpu
@@ -267,5 +277,9 @@ def test_cuda_graphs_equal_the_cpu(deepseek: Path, extensible: bool) -> None:
 def test_cuda_experts_need_eager_decode(deepseek: Path) -> None:
     with pytest.raises(RuntimeError, match="enforce_eager=True"):
         LLM(deepseek, **CUDA)
-    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
-    assert extkv_tokens(LLM(deepseek, enforce_eager=True, **CUDA), PROMPTS, GREEDY) == expected
+    expected = extkv_tokens(LLM(deepseek, **ON_CPU), PROMPTS, GREEDY)
+    llm = LLM(deepseek, enforce_eager=True, **CUDA)
+    try:
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    finally:
+        llm.close()

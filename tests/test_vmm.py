@@ -1,4 +1,5 @@
-"""ExtensibleTensor and the granule bookkeeping beneath it, on the host backend and CUDA."""
+"""ExtensibleTensor and the granule bookkeeping beneath it (growth and explicit shrinking),
+on the host backend and CUDA."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from extkv import ExtensibleTensor
+from extkv.engine.host_memory import resident_bytes
 from extkv.vmm import (
     HostBackend,
     VirtualMemoryError,
@@ -253,8 +255,137 @@ def test_no_leak_over_many_cycles(device: str) -> None:
         assert _mapping_count() <= maps_before + 2
 
 
+# --- shrinking -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shrink_keeps_the_base_and_the_kept_bytes_and_gives_granules_back(device: str) -> None:
+    g = granule(device)
+    buf = ExtensibleTensor(8 * g, device, num_segments=2)
+    cap = buf.segment_capacity_bytes
+    view = buf.full_view()
+    buf.resize_per_segment_(cap, zero_new=True)  # one run over both segments: one allocation
+    assert (buf.num_allocations, buf.committed_bytes) == (1, 8 * g)
+    head0, head1 = random_bytes(g + 7, device), random_bytes(g + 7, device)
+    view[: g + 7] = head0
+    view[cap : cap + g + 7] = head1
+    buf.shrink_per_segment_(g + 7)  # granules 0-1 and 4-5 stay: the allocation is cut twice
+    assert buf.base_ptr == buf.full_view().data_ptr() == view.data_ptr()
+    assert buf.bytes_per_segment == g + 7 and buf.num_bytes == 2 * (g + 7)
+    assert (buf.num_allocations, buf.committed_bytes) == (2, 4 * g)
+    assert torch.equal(view[: g + 7], head0) and torch.equal(view[cap : cap + g + 7], head1)
+    buf.resize_per_segment_(3 * g, zero_new=True)  # grows back under the same addresses
+    assert torch.equal(view[: g + 7], head0) and torch.equal(view[cap : cap + g + 7], head1)
+    assert torch.all(view[g + 7 : 3 * g] == 0) and torch.all(view[cap + g + 7 : cap + 3 * g] == 0)
+    assert buf.committed_bytes == 6 * g
+    buf.shrink_per_segment_(0)
+    assert (buf.num_allocations, buf.committed_bytes, buf.num_bytes) == (0, 0, 0)
+    buf.resize_per_segment_(1)
+    view[cap] = 1
+    buf.free()
+
+
+def test_shrink_keeps_a_boundary_granule_while_either_segment_needs_it() -> None:
+    backend = HostBackend()
+    g = backend.granularity
+    buf = ExtensibleTensor(3 * g, "cpu", num_segments=2, backend=backend)  # boundary at 1.5 g
+    cap = buf.segment_capacity_bytes
+    view = buf.full_view()
+    buf.resize_per_segment_(cap)
+    data = random_bytes(g // 4, "cpu")
+    view[cap : cap + g // 4] = data
+    buf.shrink_per_segment_(g // 4)  # segment 1's prefix still lies in granule 1
+    assert buf.committed_bytes == backend.committed_bytes == 2 * g
+    assert torch.equal(view[cap : cap + g // 4], data)
+    buf.shrink_per_segment_(0)
+    assert buf.committed_bytes == backend.committed_bytes == 0
+    buf.free()
+
+
+def test_shrink_is_explicit_and_checked() -> None:
+    buf = ExtensibleTensor(4 * MiB, "cpu", num_segments=2)
+    buf.resize_per_segment_(100)
+    with pytest.raises(ValueError, match="grow-only"):
+        buf.resize_per_segment_(50)  # resize_per_segment_ never shrinks
+    with pytest.raises(ValueError, match="cannot grow"):
+        buf.shrink_per_segment_(101)
+    with pytest.raises(ValueError, match="bytes_per_segment must be >= 0"):
+        buf.shrink_per_segment_(-1)
+    buf.shrink_per_segment_(100)  # the same size: nothing to do
+    assert buf.bytes_per_segment == 100 and buf.committed_bytes == 2 * (2 * MiB)
+    buf.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        buf.shrink_per_segment_(0)
+
+
+def test_shrink_gives_host_pages_back() -> None:
+    """The host backend really drops the pages: the resident set falls by what was freed."""
+    buf = ExtensibleTensor(64 * MiB, "cpu")
+    buf.resize_(64 * MiB).fill_(1)  # every page resident
+    before = resident_bytes()
+    buf.shrink_per_segment_(MiB)
+    assert before - resident_bytes() >= 56 * MiB
+    assert int(buf.tensor.sum()) == MiB  # the kept bytes are still there
+    buf.free()
+
+
+def test_touching_given_back_memory_faults() -> None:
+    script = textwrap.dedent(
+        """
+        from extkv import ExtensibleTensor
+        buf = ExtensibleTensor(8 << 20, "cpu")
+        view = buf.resize_(8 << 20)
+        view[(6 << 20)] = 1
+        buf.shrink_per_segment_(100)
+        view[:100] = 1           # kept: fine
+        print("kept ok", flush=True)
+        view[(6 << 20)] = 1      # given back: must fault
+        print("NOT REACHED", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert "kept ok" in proc.stdout
+    assert "NOT REACHED" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV
+
+
+class _NoRoomToSplit(HostBackend):
+    """A backend that cannot split an allocation (as CUDA when the kept copy does not fit)."""
+
+    def unmap_part(self, address: int, size: int, handle: object, keep: list) -> list:
+        raise VirtualMemoryOutOfMemory("no memory for the kept copy")
+
+
+def test_shrink_without_memory_to_split_keeps_the_allocation_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = _NoRoomToSplit()
+    g = backend.granularity
+    buf = ExtensibleTensor(4 * g, "cpu", backend=backend)
+    buf.resize_(4 * g).fill_(3)
+    assert buf.num_allocations == 1
+    buf.shrink_per_segment_(g)
+    assert buf.bytes_per_segment == g  # logically smaller, physically all kept
+    assert buf.committed_bytes == backend.committed_bytes == 4 * g
+    assert "splitting their allocation needs memory" in caplog.text
+    assert int(buf.tensor.sum()) == 3 * g
+    buf.shrink_per_segment_(0)  # wholly outside now: released without a split
+    assert buf.committed_bytes == backend.committed_bytes == 0
+    buf.free()
+
+
+def _granules_touched(prefix: int, segment: int, num_segments: int, g: int) -> int:
+    touched: set[int] = set()
+    for i in range(num_segments):
+        start = i * segment
+        if prefix:
+            touched.update(range(start // g, -(-(start + prefix) // g)))
+    return len(touched)
+
+
 class GrowthMachine(RuleBasedStateMachine):
-    """Random grow sequences over 1-4 segments against a plain bytes model."""
+    """Random grow and shrink sequences over 1-4 segments against a plain bytes model;
+    the granules mapped are always exactly those some committed byte lies in."""
 
     @initialize(
         num_segments=st.integers(1, 4),
@@ -264,8 +395,24 @@ class GrowthMachine(RuleBasedStateMachine):
     def create(self, num_segments: int, granules_per_segment: int, extra: int) -> None:
         g = 2 * MiB
         self.segment = granules_per_segment * g // 2 + extra  # deliberately not granule-aligned
-        self.buf = ExtensibleTensor(self.segment * num_segments, "cpu", num_segments)
+        self.backend = HostBackend()
+        self.buf = ExtensibleTensor(
+            self.segment * num_segments, "cpu", num_segments, backend=self.backend
+        )
         self.model = [bytearray() for _ in range(num_segments)]
+
+    @rule(fraction=st.floats(0, 1))
+    def shrink(self, fraction: float) -> None:
+        new = int(self.buf.bytes_per_segment * fraction)
+        self.buf.shrink_per_segment_(new)
+        for model in self.model:
+            del model[new:]
+
+    @invariant()
+    def granules_match(self) -> None:
+        g = self.backend.granularity
+        want = _granules_touched(self.buf.bytes_per_segment, self.segment, len(self.model), g)
+        assert self.buf.committed_bytes == self.backend.committed_bytes == want * g
 
     @rule(fraction=st.floats(0, 1), zero_new=st.booleans(), seed=st.integers(0, 2**31))
     def grow(self, fraction: float, zero_new: bool, seed: int) -> None:

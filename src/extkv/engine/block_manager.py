@@ -14,6 +14,11 @@ remembered by its content (its tokens and everything before them). A new
 sequence starting with the same tokens takes those blocks instead of computing
 them again; blocks are shared by reference count. A freed block keeps its
 content until the pool hands it out again, least recently freed first.
+
+The pool can be resized between steps (the KV cache grown or shrunk while
+serving): growing adds free blocks; shrinking drops the free blocks past the new
+end and moves each held one there to a free block below it, its cached content
+too, returning the moves for the caller to copy and to rewrite tables with.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
+        self._peak_used = 0  # the most blocks held at once since take_peak_used
 
     @property
     def num_used_blocks(self) -> int:
@@ -82,6 +88,7 @@ class BlockManager:
         seq.block_table = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.needs.block_size
         self.num_cached_tokens += seq.num_computed_tokens
+        self._peak_used = max(self._peak_used, self.num_used_blocks)
         self.remember_computed(seq)
 
     def remember_computed(self, seq: Sequence) -> None:
@@ -101,6 +108,50 @@ class BlockManager:
             parent = hash(key)
             seq.block_hashes.append(parent)
 
+    # --- resizing ------------------------------------------------------------------------
+
+    def num_held_from(self, num_blocks: int) -> int:
+        """Blocks from `num_blocks` on that some sequence holds: what shrinking there moves."""
+        return sum(1 for refs in self._refs[num_blocks:] if refs)
+
+    def num_free_below(self, num_blocks: int) -> int:
+        """Free blocks below `num_blocks`: where shrinking there can move blocks to."""
+        return sum(1 for block in self._free if block < num_blocks)
+
+    def resize(self, num_blocks: int) -> dict[int, int]:
+        """Make the pool `num_blocks` blocks; return {old: new} for every held block that
+        moved (those from `num_blocks` on, when shrinking; the caller copies their
+        contents and rewrites its tables). Free blocks past the end, and what they cached,
+        are forgotten. Raises if the held blocks past the end outnumber the free ones below."""
+        if num_blocks >= self.num_blocks:
+            self._free.update(dict.fromkeys(range(self.num_blocks, num_blocks)))
+            self._refs += [0] * (num_blocks - self.num_blocks)
+            self.num_blocks = num_blocks
+            return {}
+        held = [b for b in range(num_blocks, self.num_blocks) if self._refs[b]]
+        room = [b for b in self._free if b < num_blocks]
+        if len(held) > len(room):
+            raise RuntimeError(
+                f"cannot shrink to {num_blocks} blocks: {len(held)} held past it, "
+                f"{len(room)} free below it"
+            )
+        for block in range(num_blocks, self.num_blocks):
+            if block in self._free:
+                self._forget(block)
+                del self._free[block]
+        moves = dict(zip(held, room, strict=False))
+        for old, new in moves.items():
+            self._forget(new)
+            del self._free[new]
+            self._refs[new] = self._refs[old]
+            key = self._key_of.pop(old, None)
+            if key is not None:
+                self._cached[key] = new
+                self._key_of[new] = key
+        del self._refs[num_blocks:]
+        self.num_blocks = num_blocks
+        return moves
+
     # --- allocation ----------------------------------------------------------------------
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
@@ -108,11 +159,23 @@ class BlockManager:
         held = len(seq.block_table) + len(seq.state_blocks)
         return max(self.needs.blocks_for(num_tokens) - held, 0)
 
-    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
-        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+    def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> int:
+        """Free blocks the pool lacks for `seq` (about to take the cached `reusing` blocks)
+        to hold `num_tokens`: 0 when it fits."""
         missing = self.blocks_missing(seq, num_tokens) - len(reusing)
         free = len(self._free) - sum(1 for b in reusing if b in self._free)
-        return max(missing, 0) <= free
+        return max(missing - free, 0)
+
+    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
+        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+        return self.blocks_short(seq, num_tokens, reusing) == 0
+
+    def take_peak_used(self) -> int:
+        """The most blocks held at once since the last call (what the elastic policy keeps
+        committed); the next period starts from what is held now."""
+        used = self.num_used_blocks
+        peak, self._peak_used = max(self._peak_used, used), used
+        return peak
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` the blocks it lacks for `num_tokens` tokens; raises if too few are free."""
@@ -124,6 +187,7 @@ class BlockManager:
             seq.state_blocks = [self._take_free() for _ in range(groups)]
             missing -= groups
         seq.block_table.extend(self._take_free() for _ in range(missing))
+        self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """With a sliding window, free `seq`'s leading blocks that its next query (at
@@ -161,8 +225,12 @@ class BlockManager:
     def _take_free(self) -> int:
         """The least recently freed block; whatever it held is forgotten."""
         block = next(iter(self._free))
+        self._forget(block)
+        self._take(block)
+        return block
+
+    def _forget(self, block: int) -> None:
+        """Drop what `block` caches, if anything."""
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._cached[key]
-        self._take(block)
-        return block

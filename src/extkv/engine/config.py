@@ -24,6 +24,7 @@ KV_LAYOUTS = ("split", "block_major")
 DEFAULT_MAX_MODEL_LEN = 8192  # for models without max_position_embeddings (pure Mamba)
 DEFAULT_STEP_TOKENS = 8192  # max_num_batched_tokens on CUDA
 DEFAULT_CPU_STEP_TOKENS = 2048  # and on the CPU
+KV_CACHE_POLICIES = ("static", "elastic")
 
 
 def _resolve_engine_device(device: object) -> torch.device:
@@ -127,6 +128,26 @@ class EngineConfig:
         "tensor_parallel_size > 1",
         Bool(optional=True),
     )
+    enable_sleep_mode: bool = option(
+        False,
+        "allow sleep() and wake_up() (the server's /sleep, /wake_up, /is_sleeping): the "
+        "weights and the KV cache live in virtual memory that sleep gives back and wake maps "
+        "again under the same addresses; needs the extensible KV cache",
+        Bool(),
+    )
+    kv_cache_policy: str = option(
+        "static",
+        "static: the KV cache commits all the memory it is sized for at start-up; elastic: it "
+        "commits enough for one max_model_len sequence, grows by granules when requests would "
+        "wait or be preempted (up to that size) and gives idle memory back; needs the "
+        "extensible KV cache",
+        Choice(KV_CACHE_POLICIES),
+    )
+    kv_idle_release_s: float = option(
+        30.0,
+        "elastic policy: seconds KV cache blocks stay unused before their memory goes back",
+        Float(0, above_minimum=True),
+    )
     worker_heartbeat_timeout: float = option(
         30.0,
         "seconds a tensor-parallel worker may go silent before the engine gives it up",
@@ -148,6 +169,25 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_memory_bytes cannot be combined with enable_extensible_kv_cache: "
                 "the extensible KV cache sizes itself from the memory left after capture"
+            )
+        if self.enable_sleep_mode and self.enable_extensible_kv_cache is False:
+            raise ValueError(
+                "enable_sleep_mode needs enable_extensible_kv_cache=True (or 'auto'): sleep "
+                "gives back the KV cache's memory under addresses the CUDA graphs keep"
+            )
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_sleep_mode needs tensor_parallel_size=1 (the workers cannot sleep yet)"
+            )
+        if self.kv_cache_policy == "elastic" and self.enable_extensible_kv_cache is False:
+            raise ValueError(
+                "kv_cache_policy='elastic' needs enable_extensible_kv_cache=True (or 'auto'): it "
+                "grows and shrinks the KV cache under addresses the CUDA graphs keep"
+            )
+        if self.kv_cache_policy == "elastic" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (the workers cannot "
+                "resize yet)"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1

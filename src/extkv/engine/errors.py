@@ -18,6 +18,15 @@ class RequestFailedError(RuntimeError):
         self.request_id = request_id
 
 
+class EngineStateError(RuntimeError):
+    """The engine cannot do what was asked in the state it is in (requests in flight, asleep,
+    a KV cache allocated whole); the message says what would allow it."""
+
+
+class EngineAsleepError(EngineStateError):
+    """The engine is asleep (`LLM.sleep`): it takes no request until `wake_up`."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine hit an error it cannot recover from (the device, or a tensor-parallel
     worker, is gone); it serves no further request. A server should exit and be

@@ -53,6 +53,35 @@ class LLM:
         """Free the device memory now rather than when the object is collected."""
         self.engine.close()
 
+    def resize_kv_cache(
+        self, num_blocks: int | None = None, memory_bytes: int | None = None
+    ) -> dict[str, object]:
+        """Grow or shrink the committed KV cache to `num_blocks`, or to the most whole blocks
+        (and granules) `memory_bytes` holds, under the CUDA graphs captured at start-up;
+        return what was done (`num_blocks` and `committed_bytes`: the size committed now).
+        Needs the extensible KV cache."""
+        return self.engine.resize_kv_cache(num_blocks, memory_bytes).as_dict()
+
+    def kv_cache_status(self) -> dict[str, object]:
+        """The KV cache now: blocks committed, capacity and in use, bytes, resizes so far."""
+        return self.engine.kv_cache_status()
+
+    def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
+        """As vLLM's sleep mode (`enable_sleep_mode=True`): give back the KV cache's memory
+        and move the weights to host memory (level 1) or drop them (level 2, reloaded from
+        the checkpoint on wake). `drain` first finishes requests still running (added
+        through `engine`) and returns their outputs; without it they are an error."""
+        return self.engine.sleep(level, drain)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map back "weights" and/or "kv_cache" (None: both) under the same addresses; the
+        CUDA graphs captured at start-up replay unchanged, the prefix cache starts empty."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache sleep."""
+        return self.engine.is_sleeping()
+
     def get_tokenizer(self):  # -> PreTrainedTokenizerBase | None
         """The checkpoint's tokenizer, or None where the folder has none (token ids only)."""
         return self.engine.tokenizer

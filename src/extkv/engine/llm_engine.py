@@ -1,6 +1,9 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
-`LLM.generate` drives it to completion; a server drives it step by step.
+`LLM.generate` drives it to completion; a server drives it step by step. Between
+steps its memory can change (`resize_kv_cache`, `sleep`, `wake_up`: see
+extkv.engine.elastic), also by itself under the elastic KV cache policy
+(extkv.engine.kv_policy).
 
 With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and
@@ -24,7 +27,9 @@ import torch
 from extkv.distributed import SINGLE
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
-from extkv.engine.errors import EngineDeadError, is_fatal
+from extkv.engine.elastic import SLEEP_LEVELS, ElasticMemory, KVCacheResize
+from extkv.engine.errors import EngineDeadError, EngineStateError, is_fatal
+from extkv.engine.kv_policy import STATIC_STATUS, ElasticKVCachePolicy
 from extkv.engine.model_runner import SampledTokens
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.request_state import RequestState, completion_ids, completion_params
@@ -81,6 +86,13 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=frozenset(facts.eos_token_ids),
         )
+        self.elastic = ElasticMemory(config, self.runner, self.kv_cache, self.scheduler)
+        self.kv_policy: ElasticKVCachePolicy | None = None  # None: the static policy
+        if config.kv_cache_policy == "elastic":
+            self.kv_policy = ElasticKVCachePolicy(
+                self.elastic, self.report.num_blocks_ceiling, config.kv_idle_release_s
+            )
+            self.scheduler.grow = self.kv_policy.grow
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, RequestState] = {}  # unfinished, by request id
         self._states: dict[str, RequestState] = {}  # the same, by each sequence's id
@@ -111,7 +123,71 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_cached_prompt_tokens=blocks.num_cached_tokens,
             num_steps=self.runner.num_steps,
+            num_kv_grows=self.elastic.num_grows,
+            num_kv_shrinks=self.elastic.num_shrinks,
+            sleep_level=self.elastic.sleep_level,
         )
+
+    # --- elastic memory (between steps) -------------------------------------------------
+
+    def resize_kv_cache(
+        self, num_blocks: int | None = None, memory_bytes: int | None = None
+    ) -> KVCacheResize:
+        """Grow or shrink the committed KV cache now, between two steps, under the captured
+        graphs; requests decoding carry on (moved, or preempted and recomputed), their
+        greedy tokens unchanged. See ElasticMemory.resize_kv_cache."""
+        self._check_usable()
+        return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
+
+    def kv_cache_status(self) -> dict[str, object]:
+        """The KV cache now (committed, capacity, in use, resizes, what sleeps, the policy
+        and its bounds), as a dict."""
+        policy = STATIC_STATUS if self.kv_policy is None else self.kv_policy.status()
+        return {**self.elastic.status(), **policy}
+
+    def release_idle_kv_cache(self) -> float | None:
+        """Let the elastic policy give back the KV cache's idle blocks (`step` does it after
+        every step; an idle server calls this); the seconds until it should be called
+        again, None when nothing is left to give back (or the policy is static)."""
+        self._check_usable()
+        return None if self.kv_policy is None else self.kv_policy.release_idle()
+
+    def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
+        """Give back the KV cache's and the weights' memory (level 1: weights kept in host
+        memory; level 2: dropped, read from the checkpoint on wake). Requests in flight are
+        refused with EngineStateError, or with `drain` run to the end first: their final
+        outputs are returned."""
+        self._check_usable()
+        if not self.config.enable_sleep_mode:
+            raise EngineStateError("sleep needs enable_sleep_mode=True (--enable-sleep-mode)")
+        level = SLEEP_LEVELS.check("level", level)
+        if self._requests and not drain:
+            raise EngineStateError(
+                f"{len(self._requests)} request(s) in flight: let them finish, abort them, or "
+                "sleep with drain=True"
+            )
+        outputs = self.drain()  # without requests: the tokens of a step still in flight
+        self.elastic.sleep(level)
+        return outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map back the weights and/or the KV cache ("weights", "kv_cache"; None: both)
+        under the addresses they had; requests are taken again once both are awake."""
+        self._check_usable()
+        if not self.config.enable_sleep_mode:
+            raise EngineStateError("wake_up needs enable_sleep_mode=True (--enable-sleep-mode)")
+        self.elastic.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache sleep."""
+        return bool(self.elastic.asleep)
+
+    def drain(self) -> list[RequestOutput]:
+        """Step until no request is left; the final outputs of those that finish."""
+        outputs = []
+        while self.has_unfinished_requests():
+            outputs += self.step(finished_only=True)
+        return outputs
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt text to token ids; a model without a tokenizer says to pass token ids instead."""
@@ -131,6 +207,7 @@ class LLMEngine:
     ) -> str:
         """Validate and queue one request; return its id."""
         self._check_usable()
+        self.elastic.check_awake("add_request")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         ids = list(prompt_token_ids)
@@ -203,7 +280,10 @@ class LLMEngine:
         unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
         self._check_usable()
         try:
-            return self._step(finished_only)
+            outputs = self._step(finished_only)
+            if self.kv_policy is not None:  # after the step: what it freed counts as freed now
+                self.kv_policy.release_idle()
+            return outputs
         except Exception as e:
             if is_fatal(e):
                 self._dead = e
@@ -211,7 +291,7 @@ class LLMEngine:
             raise
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # with the elastic policy, may grow the KV cache
         launched = None
         failed: list[RequestOutput] = []
         if plan is not None:

@@ -40,6 +40,7 @@ from extkv.engine.step_inputs import (
     build_step_inputs,
 )
 from extkv.engine.step_plan import ScheduledRequest, StepPlan
+from extkv.engine.weight_memory import WeightMemory
 from extkv.kv_cache import KVCache
 from extkv.kv_cache.plan import KVCachePlan, plan_kv_cache
 from extkv.models import Mamba2Mixer
@@ -105,9 +106,11 @@ class ModelRunner:
         kv_plan: KVCachePlan,
         vocab_size: int,
         tp: TPGroup = SINGLE,
+        weights: WeightMemory | None = None,
     ) -> None:
         self.config = config
         self.model = model
+        self.weights = weights  # sleep mode: where the model's tensors live
         self.kv_plan = kv_plan
         self.tp = tp
         self.device: torch.device = config.device
@@ -232,6 +235,8 @@ class ModelRunner:
         self.attention_layers.clear()
         self.mixers.clear()
         self.model = None
+        if self.weights is not None:
+            self.weights.free()
 
     # --- one step ------------------------------------------------------------------------
 

@@ -15,12 +15,23 @@ flight are pending (see `Sequence`), a sequence that an in-flight token will
 finish by length is not scheduled again, one that it finishes by a stop token
 has computed one step for nothing, and a sequence whose token is in flight
 never preempts others for a block (it waits a step instead).
+
+With the elastic KV cache policy, `grow` is asked for the missing blocks first, where a
+request would otherwise wait or another be preempted for lack of them.
+
+Between steps the block pool can be resized (`resize`): to shrink it, the most
+recently admitted sequences holding blocks past the new end are preempted until
+the blocks held there fit into the free ones below it, and those move. A
+sequence preempted with a token in flight is recomputed only once that token
+has arrived.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.sequence import Sequence, SequenceStatus
@@ -55,6 +66,9 @@ class Scheduler:
         self._new: list[str] = []  # first scheduled in the plan being built
         self._resumed: list[str] = []  # scheduled again after a preemption
         self._finished: list[str] = []  # ended since the last plan
+        # The elastic policy's: asked for this many more free blocks before a request is
+        # left waiting or another is preempted; True if the pool grew (through `resize`).
+        self.grow: Callable[[int], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; it waits until a prefill step admits it."""
@@ -162,13 +176,13 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if self._waits_for_leader(seq):
-                continue
+            if seq.num_pending or self._waits_for_leader(seq):
+                continue  # preempted with a token in flight: recomputed once it is here
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
             n = min(len(seq) - computed, budget)
-            if not blocks.can_hold(seq, computed + n, reusing=cached):
+            if not self._fits(seq, computed + n, reusing=cached):
                 break
             self.waiting.remove(seq)
             if cached:
@@ -208,7 +222,7 @@ class Scheduler:
                 continue  # its pending token is its last
             if not block_size or num_tokens <= len(seq.block_table) * block_size:
                 seqs.append(seq)
-            elif seq.num_pending and not blocks.can_hold(seq, num_tokens):
+            elif seq.num_pending and not self._fits(seq, num_tokens):
                 # Its token in flight may finish it: wait a step rather than preempt others.
                 continue
             elif self._make_room(seq, num_tokens):
@@ -220,7 +234,7 @@ class Scheduler:
         False if there was no room without preempting `seq` itself (which then happened,
         unless `preempt_itself` is off: a prompt chunk waits instead, since preempting
         it would only recompute the same chunks and starve the decodes)."""
-        while not self.block_manager.can_hold(seq, num_tokens):
+        while not self._fits(seq, num_tokens):
             victim = self.running[-1]
             if victim is seq and not preempt_itself:
                 return False
@@ -229,6 +243,32 @@ class Scheduler:
                 return False
         self.block_manager.allocate(seq, num_tokens)
         return True
+
+    def _fits(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
+        """Whether the pool can give `seq` blocks for `num_tokens` (taking the cached
+        `reusing` ones), once `grow` (the elastic policy) has added what it can."""
+        blocks = self.block_manager
+        short = blocks.blocks_short(seq, num_tokens, reusing)
+        if short and self.grow is not None and self.grow(short):
+            short = blocks.blocks_short(seq, num_tokens, reusing)
+        return short == 0
+
+    def resize(self, num_blocks: int) -> tuple[dict[int, int], int]:
+        """Resize the block pool to `num_blocks`, preempting what must go to shrink it;
+        return the block moves ({old: new}, every table already rewritten: the caller
+        copies the blocks' contents before the next step) and how many sequences were
+        preempted."""
+        blocks = self.block_manager
+        preempted = 0
+        while blocks.num_held_from(num_blocks) > blocks.num_free_below(num_blocks):
+            self._preempt(next(s for s in reversed(self.running) if _holds_from(s, num_blocks)))
+            preempted += 1
+        moves = blocks.resize(num_blocks)
+        if moves:
+            for seq in self.running:
+                seq.block_table = [moves.get(b, b) for b in seq.block_table]
+                seq.state_blocks = [moves.get(b, b) for b in seq.state_blocks]
+        return moves, preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -295,3 +335,8 @@ class Scheduler:
         self.block_manager.free(seq)
         del self._requests[seq.request_id]
         self._finished.append(seq.request_id)
+
+
+def _holds_from(seq: Sequence, num_blocks: int) -> bool:
+    """Whether `seq` holds a block from `num_blocks` on (released entries are NO_BLOCK, < 0)."""
+    return any(b >= num_blocks for b in (*seq.block_table, *seq.state_blocks))

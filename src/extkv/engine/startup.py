@@ -32,7 +32,9 @@ from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.errors import StartupError
+from extkv.engine.kv_policy import floor_blocks
 from extkv.engine.model_runner import ModelRunner, make_kv_cache_plan
+from extkv.engine.weight_memory import WeightMemory
 from extkv.kv_cache import KVCache
 from extkv.models import ModelFacts, load_model, model_facts
 from extkv.vmm import VirtualMemoryError, allocation_granularity
@@ -63,6 +65,9 @@ class MemoryReport:
     # address space holds (extensible), or the committed count (legacy).
     num_blocks_committed: int = 0
     num_blocks_capacity: int = 0
+    # Ceiling: blocks the memory budget allows; the elastic policy commits fewer at
+    # start-up (its floor) and grows up to it. Static: the committed count.
+    num_blocks_ceiling: int = 0
     kv_cache_bytes: int = 0
     kv_reserved_bytes: int = 0
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
@@ -190,10 +195,28 @@ def start_rank(
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         kv_plan = make_kv_cache_plan(model, config)
-        runner = ModelRunner(config, model, kv_plan, facts.vocab_size, group)
+        # Sleep mode: the weights move where sleep can give them back, before any address
+        # of theirs is taken (the profile run, the graphs).
+        weights = WeightMemory(model, config.device) if config.enable_sleep_mode else None
+        runner = ModelRunner(config, model, kv_plan, facts.vocab_size, group, weights)
         cache, report = initialize_kv_cache(runner, config, free_at_start)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise _out_of_memory(config, e) from e
+    needs_extensible = [
+        name
+        for name, wanted in (
+            ("enable_sleep_mode", config.enable_sleep_mode),
+            ("kv_cache_policy='elastic'", config.kv_cache_policy == "elastic"),
+        )
+        if wanted
+    ]
+    if needs_extensible and not report.extensible:
+        cache.free()
+        runner.release()
+        raise StartupError(
+            f"{' and '.join(needs_extensible)} needs the extensible KV cache, and "
+            f"{config.device} has no virtual memory management for it"
+        )
     report.load_seconds = load_seconds
     return runner, cache, report, facts
 
@@ -258,7 +281,7 @@ def initialize_kv_cache(
         report.available_bytes / GiB,
     )
     flow = _extensible_flow if report.extensible else _legacy_flow
-    cache, report.num_blocks_committed = flow(runner, config, report)
+    cache, report.num_blocks_committed, report.num_blocks_ceiling = flow(runner, config, report)
     report.num_blocks_capacity = cache.capacity_blocks
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
@@ -289,7 +312,7 @@ def _allocate(
 
 def _extensible_flow(
     runner: ModelRunner, config: EngineConfig, report: MemoryReport
-) -> tuple[KVCache, int]:
+) -> tuple[KVCache, int, int]:
     per_block = report.bytes_per_block
     capacity = max(report.available_bytes // per_block, config.num_gpu_blocks_override or 0)
     if capacity < 1:
@@ -312,15 +335,19 @@ def _extensible_flow(
     num_blocks = config.num_gpu_blocks_override or min(final_bytes // per_block, capacity)
     num_blocks = _smallest(runner, num_blocks, "sized after graph capture")
     _check_fits(num_blocks, runner, per_block, "sized after graph capture")
+    ceiling = num_blocks
+    if config.kv_cache_policy == "elastic":  # the rest is committed on demand
+        min_blocks = runner.kv_plan.needs.blocks_for(config.max_model_len)
+        num_blocks = floor_blocks(cache, min_blocks, ceiling)
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
     num_blocks = _smallest(runner, num_blocks, "committed")
     _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")
-    return cache, num_blocks
+    return cache, num_blocks, num_blocks if config.kv_cache_policy == "static" else ceiling
 
 
 def _legacy_flow(
     runner: ModelRunner, config: EngineConfig, report: MemoryReport
-) -> tuple[KVCache, int]:
+) -> tuple[KVCache, int, int]:
     per_block = report.bytes_per_block
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
@@ -337,7 +364,7 @@ def _legacy_flow(
         "Allocated KV cache of %d blocks (%.2f GiB).", num_blocks, cache.committed_bytes / GiB
     )
     _measure_graphs(runner, report)
-    return cache, num_blocks
+    return cache, num_blocks, num_blocks
 
 
 def estimate_graph_memory(runner: ModelRunner, config: EngineConfig) -> int:

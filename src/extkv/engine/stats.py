@@ -21,3 +21,6 @@ class EngineStats:
     num_preemptions: int  # since start
     num_cached_prompt_tokens: int  # prompt tokens served by prefix caching, since start
     num_steps: int  # steps launched, since start
+    num_kv_grows: int = 0  # KV cache resizes while serving, since start
+    num_kv_shrinks: int = 0
+    sleep_level: int = 0  # 0: awake

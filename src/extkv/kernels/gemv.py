@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from extkv.kernels.activation import silu_times
+from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.norm import weighted_rms
 from extkv.kernels.pdl import pdl_launch, prefetch_to_l2, wait_for_previous_grid
 
@@ -264,22 +265,6 @@ def gemv_config(n: int, k: int, itemsize: int, num_sms: int) -> GemvConfig:
     return GemvConfig(_BLOCK_N, block_k, split_k, num_stages=_NUM_STAGES)
 
 
-def _arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """The split-K arrival counters of `device` (zero between calls: the last program of
-    a tile resets its own). Made on first use, which must not be inside a graph capture:
-    a warm-up call comes first, as for every Triton kernel (it compiles there)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("run linear_small_batch once before capturing it in a graph")
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
 def _check_operands(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int
 ) -> None:
@@ -383,7 +368,7 @@ def _launch(
             dtype=torch.float32,
             device=x.device,
         )
-        arrivals = _arrivals(x.device, tiles)
+        arrivals = arrival_counters("linear_small_batch", x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, x)
     launch = pdl_launch(x.device)

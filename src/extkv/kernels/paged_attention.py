@@ -10,7 +10,9 @@ Prefill tiles rows over the new tokens. Decode has one token per sequence, so
 it tiles the *context* instead (split-K, "flash-decoding"): each split writes
 a partial softmax and a small second kernel merges them. The split count comes
 from tensor shapes only and each split's share of the context is computed on
-the device, which keeps decode capturable in a CUDA graph.
+the device, which keeps decode capturable in a CUDA graph. (Merging in the
+attention kernel, by the last split to finish, measured no faster on the H200
+at batch 1: BENCHMARKS.md, 2026-12-04 "fused decode".)
 """
 
 from __future__ import annotations
@@ -66,10 +68,14 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    UNMASKED_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32."""
+    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
+    UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
+    sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
+    which measured faster there (two pipelined loops cost ~15% at batch 256)."""
     wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     q_tile = tl.program_id(0) // NUM_SPLITS
@@ -105,30 +111,24 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kv_pos = start + tl.arange(0, BLOCK_N)
-        kv_ok = kv_pos < kv_hi
-        page = tl.load(
-            block_tables_ptr + seq * stride_bt + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0
-        ).to(tl.int64)
-        offset = kv_pos % BLOCK_SIZE
-        kv_mask = kv_ok[:, None] & dim_ok[None, :]
-        k_offs = page[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        visible &= kv_pos[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
-        p = tl.exp2(s - max_ref[:, None])
-        alpha = tl.exp2(row_max - max_ref)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+    table_ptr = block_tables_ptr + seq * stride_bt
+    kv_masked_start = kv_lo
+    if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
+        first_q_pos = context_len - q_len + q_tile * BLOCK_Q
+        unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
+        kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
+    # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
+    for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
+        lo = kv_lo if phase == 0 else kv_masked_start
+        hi = kv_masked_start if phase == 0 else kv_hi
+        for start in range(lo, hi, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+                k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
+            )  # fmt: skip
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
@@ -141,6 +141,63 @@ def _paged_attention_kernel(
         lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    q_pos,
+    start,
+    kv_hi,
+    window,
+    qk_scale,
+    row_max,
+    row_sum,
+    acc,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    kv_head,
+    dim,
+    dim_ok,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax step over the BLOCK_N keys from `start`, gathered through the
+    sequence's block table row; MASKED applies the causal/window mask and the end of
+    the range, which tiles wholly visible to every row do without."""
+    kv_pos = start + tl.arange(0, BLOCK_N)
+    kv_ok = kv_pos < kv_hi
+    page = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    offset = kv_pos % BLOCK_SIZE
+    kv_mask = kv_ok[:, None] & dim_ok[None, :]
+    k_offs = page[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+    k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        visible &= kv_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(s, 1))
+    # Masked rows that see no key yet keep a max of -inf: exponentiate against 0.
+    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max) if MASKED else new_max
+    p = tl.exp2(s - max_ref[:, None])
+    alpha = tl.exp2(row_max - max_ref)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+    v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
 
 
 @triton.jit
@@ -185,13 +242,14 @@ class Tiles:
     num_stages: int
 
 
-# Tuned on an H200, bf16, head_dim 128: prefill 180-250 TFLOP/s; decode at batch 64 x 768
-# tokens reads K/V at ~4.0 TB/s (1.5x the device's copy bandwidth).
-PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# Tuned on an H200, bf16, head_dim 128 (benchmarks/bench_attention.py --sweep, --prefill):
+# prefill of 1 x 8192 tokens ~240 TFLOP/s (these tiles were 5% ahead of 64 x 64 x 4 warps);
+# decode at batch 64 x 768 tokens reads K/V at ~4.0 TB/s (1.5x the copy bandwidth).
+PREFILL_TILES = Tiles(block_m=128, block_n=32, num_warps=8, num_stages=2)
 DECODE_TILES = Tiles(block_m=16, block_n=64, num_warps=4, num_stages=3)
 MAX_SPLITS = 16
 NO_WINDOW = 1 << 30  # the kernel's window without a sliding window: beyond any context
-MAX_DEEP_PIPELINE_HEAD_DIM = 128  # beyond it three K/V stages overflow shared memory
+_INTERPRETED_SHARED_MEMORY = 232448  # an H200's per-program limit, for the CPU's choices
 
 
 @functools.cache
@@ -199,6 +257,41 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETED_SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def fit_tiles(
+    tiles: Tiles, block_m: int, head_dim_p2: int, itemsize: int, device: torch.device
+) -> Tiles:
+    """`tiles` with K/V tiles and pipeline stages cut until a program's shared memory
+    fits the device: the query tile plus `num_stages` K/V tiles of `block_n` rows
+    (what Triton 3.6 allocates for sm90, within 2 KiB). DeepSeek's 576-value latent
+    rows need this; head dims up to 128 keep the tuned tiles.
+
+    Raises ValueError when even one 16-row stage does not fit (MLA with 64+ query
+    heads per rank and the 512 + 64 latent: shard the heads with tensor parallelism)."""
+    limit = _shared_memory(device) - 4096  # the softmax rows and Triton's own scratch
+    block_n, stages = tiles.block_n, tiles.num_stages
+    while (block_m + stages * block_n) * head_dim_p2 * itemsize > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(
+                f"paged attention of {block_m} query rows x head dim {head_dim_p2} does not "
+                f"fit in {limit + 4096} bytes of shared memory; use fewer query heads per "
+                "KV head on a rank (tensor_parallel_size)"
+            )
+    return Tiles(tiles.block_m, block_n, tiles.num_warps, stages)
 
 
 def decode_splits(
@@ -258,6 +351,8 @@ def paged_attention(
     block_m = max(tiles.block_m, group_p2)
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs K >= 16
 
+    tiles = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
+
     part_out = part_lse = out  # placeholders, unused when there is a single split
     if splits > 1:
         part_out = query.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
@@ -289,9 +384,10 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
+        UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages if head_dim_p2 <= MAX_DEEP_PIPELINE_HEAD_DIM else 2,
+        num_stages=tiles.num_stages,
         **pdl_launch(query.device),
     )
     if splits > 1:

@@ -4,7 +4,10 @@ Legacy: every buffer is one plain zeroed allocation of all its blocks.
 Extensible: every buffer is an ExtensibleTensor reserved for all
 `config.num_blocks` blocks with one block per segment committed, so CUDA graphs
 can be captured against the final addresses before the cache is sized;
-`extend` then commits the blocks that memory turned out to allow.
+`extend` then commits the blocks that memory turned out to allow. While the
+engine serves, `shrink` gives the tail back (the engine first moves the blocks
+in use there with `copy_blocks`) and `extend` grows it again, under the same
+addresses, so the captured graphs stay valid.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +37,7 @@ from extkv.vmm.tensor import DeviceLike
 logger = logging.getLogger(__name__)
 
 LayerView = torch.Tensor | tuple[torch.Tensor, ...]
+GiB = 1 << 30
 # Free memory beyond this much more than an extend needs is trusted without a probe.
 _PROBE_SLACK_BYTES = 64 << 20
 
@@ -103,6 +108,17 @@ class _Buffer:
     def num_blocks(self) -> int:
         assert self.memory is not None
         return self.memory.bytes_per_segment // self.segment_block_bytes
+
+    def blocks(self, capacity_blocks: int) -> torch.Tensor:
+        """The buffer as (segments, blocks, bytes of a block in a segment): block `b` of
+        every layer sharing it is `[:, b]`, whatever the layout."""
+        segments = self.data.numel() // (capacity_blocks * self.segment_block_bytes)
+        return self.data.view(segments, capacity_blocks, self.segment_block_bytes)
+
+    def shrink(self, num_blocks: int) -> None:
+        """Give back the memory of the blocks from `num_blocks` on (whole granules)."""
+        assert self.memory is not None
+        self.memory.shrink_per_segment_(num_blocks * self.segment_block_bytes)
 
     def grow(self, num_blocks: int) -> None:
         """Commit and zero blocks up to `num_blocks` (nothing if that many are there)."""
@@ -249,21 +265,17 @@ class KVCache:
             raise ValueError(f"kv_views needs an attention layer; {name!r} is not one")
         return self._layouts[name].kv_views(self.layer_views[name])
 
-    # --- growth ------------------------------------------------------------------------
+    # --- growth and shrinking ------------------------------------------------------------
 
     def extend(self, num_blocks: int) -> int:
         """Commit and zero blocks up to `num_blocks`; return the count now usable.
 
         If memory runs short, commits the largest count every buffer can hold and
         warns. The count is found with a scratch allocation before anything is
-        committed: buffers cannot shrink, so committing some of them to a count
-        the others cannot reach would strand memory.
+        committed: committing some buffers to a count the others cannot reach would
+        strand memory until a shrink (and, on CUDA, cost a copy to give it back).
         """
-        if not self.extensible:
-            raise RuntimeError(
-                "extend needs an extensible KV cache (extensible=True); this one was "
-                "allocated whole"
-            )
+        self._require_extensible("extend")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         if num_blocks > self.capacity_blocks:
@@ -273,6 +285,7 @@ class KVCache:
             )
         if num_blocks <= self._num_blocks:
             return self._num_blocks
+        start, before = time.perf_counter(), self.committed_bytes
         reached = self._largest_fitting(num_blocks)
         for buffer in self._buffers:  # grow_as_far_as_fits covers memory taken meanwhile
             reached = buffer.grow_as_far_as_fits(reached)
@@ -283,9 +296,94 @@ class KVCache:
                 num_blocks,
                 reached,
             )
-        else:
-            logger.info("Extended KV cache to %d blocks.", reached)
+        self._log_resize("Extended", before, start)
         return reached
+
+    def shrink(self, num_blocks: int) -> int:
+        """Give back the memory of the blocks from `num_blocks` on, whole granules of it,
+        under the same addresses; return `num_blocks`. What those blocks held is lost:
+        the engine moves the ones in use first (`copy_blocks`)."""
+        self._require_extensible("shrink")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if num_blocks > self._num_blocks:
+            raise ValueError(
+                f"shrink cannot grow the KV cache from {self._num_blocks} to {num_blocks} "
+                "blocks; use extend"
+            )
+        if num_blocks == self._num_blocks:
+            return num_blocks
+        start, before = time.perf_counter(), self.committed_bytes
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # no kernel may still read what goes
+        for buffer in self._buffers:
+            buffer.shrink(num_blocks)
+        self._num_blocks = num_blocks
+        self._log_resize("Shrank", before, start)
+        return num_blocks
+
+    def _log_resize(self, verb: str, before: int, start: float) -> None:
+        committed = self.committed_bytes
+        logger.info(
+            "%s KV cache to %d blocks. %.3f GiB committed (%+.3f GiB) in %.3f s.",
+            verb,
+            self._num_blocks,
+            committed / GiB,
+            (committed - before) / GiB,
+            time.perf_counter() - start,
+        )
+
+    def copy_blocks(self, moves: Mapping[int, int]) -> None:
+        """Copy block `src` to block `dst` for every `src: dst` of `moves`, on every layer
+        (every buffer, every segment); all of them must be committed."""
+        if not moves:
+            return
+        outside = [b for b in (*moves, *moves.values()) if not 0 <= b < self._num_blocks]
+        if outside:
+            raise ValueError(
+                f"copy_blocks needs committed blocks, in [0, {self._num_blocks}); got {outside}"
+            )
+        src = torch.tensor(list(moves), device=self._device)
+        dst = torch.tensor(list(moves.values()), device=self._device)
+        for buffer in self._buffers:
+            blocks = buffer.blocks(self.capacity_blocks)
+            blocks[:, dst] = blocks[:, src]
+
+    def bytes_for(self, num_blocks: int) -> int:
+        """Physical bytes `num_blocks` committed blocks take: whole granules."""
+        self._require_extensible("bytes_for")
+        granularity = self._granularity
+        return granularity * sum(
+            _granules_backing(b.memory, num_blocks * b.segment_block_bytes, granularity)
+            for b in self._buffers
+        )
+
+    def blocks_within(self, num_bytes: int) -> int:
+        """The most blocks whose committed memory (whole granules) is at most `num_bytes`."""
+        low, high = 0, self.capacity_blocks
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.bytes_for(mid) <= num_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def whole_granules(self, num_blocks: int) -> int:
+        """The most blocks the granules backing `num_blocks` hold: committing `num_blocks`
+        commits that many anyway, so a resize by whole granules goes there."""
+        return self.blocks_within(self.bytes_for(num_blocks))
+
+    def free_physical_bytes(self) -> int | None:
+        """What could be committed now on the cache's device (None: nothing bounds it)."""
+        return free_physical_bytes(self._device, self._backend)
+
+    def _require_extensible(self, member: str) -> None:
+        if not self.extensible:
+            raise RuntimeError(
+                f"{member} needs an extensible KV cache (extensible=True); this one was "
+                "allocated whole"
+            )
 
     @functools.cached_property
     def _granularity(self) -> int:

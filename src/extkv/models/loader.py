@@ -107,13 +107,32 @@ def load_model(
     config = source.config()
     device = torch.device(device)
     model = _build(config, dtype, device, group)
-    show = group.rank == 0  # one bar, not one per rank
+    _fill(model, source, config, dtype, device, show=group.rank == 0)  # one bar, not one per rank
+    return model.requires_grad_(False).eval(), config
+
+
+def reload_weights(
+    model: nn.Module, path: str | os.PathLike, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill the parameters of a model `load_model` built from `path` again, in place (their
+    memory was given back, e.g. by sleep level 2)."""
+    source = resolve_model(path)
+    _fill(model, source, source.config(), dtype, device, show=False)
+
+
+def _fill(
+    model: nn.Module,
+    source: ModelSource,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    show: bool,
+) -> None:
     if source.gguf_file is None:
         load_weights(model, source.path, device, show)
     else:
         file = os.path.join(source.path, source.gguf_file)
         load_tensors(model, gguf_tensors(file, config, dtype), file, device, show)
-    return model.requires_grad_(False).eval(), config
 
 
 def check_tensor_parallel(path: str | os.PathLike, size: int) -> None:
@@ -204,7 +223,7 @@ def _progress(total: int, show: bool) -> tqdm:
     return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show)
 
 
-def _fill(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
+def _fill_slot(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
     weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
     try:
         weight_loader(slot.param, tensor, slot.part)
@@ -226,7 +245,7 @@ def load_weights(
         for file, names in names_in.items():
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in filter(chosen.__contains__, names):
-                    _fill(chosen[name], name, f.get_tensor(name), file)
+                    _fill_slot(chosen[name], name, f.get_tensor(name), file)
                     bar.update()
 
 
@@ -245,5 +264,5 @@ def load_tensors(
         for name in list(tensors):
             tensor = tensors.pop(name)
             if name in chosen:
-                _fill(chosen[name], name, tensor.to(device), where)
+                _fill_slot(chosen[name], name, tensor.to(device), where)
                 bar.update()

@@ -5,6 +5,11 @@ Handlers parse and check a request, turn it into prompt token ids and
 SamplingParams (parsing and tokenizing off the event loop), and hand it to the
 `AsyncEngine`; they wait for its deltas while watching the connection, so a client
 that goes away aborts its request. Guards (`extkv.serving.guards`) come first.
+
+Elastic memory, behind the API key: `GET /kv_cache` and `POST /kv_cache/resize`
+always; `POST /sleep`, `POST /wake_up` and `GET /is_sleeping` only with
+--enable-sleep-mode (else 404), as vLLM's. They run on the engine thread between
+steps (`AsyncEngine.control`).
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from extkv import __version__
-from extkv.engine.errors import EngineDeadError, RequestFailedError
+from extkv.engine.elastic import SLEEP_LEVELS, TAGS
+from extkv.engine.errors import (
+    EngineAsleepError,
+    EngineDeadError,
+    EngineStateError,
+    RequestFailedError,
+)
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.sampling_params import SamplingParams
+from extkv.options import Bool, Choice, Kind
 from extkv.serving.async_engine import (
     AsyncEngine,
     Delta,
@@ -51,6 +63,7 @@ from extkv.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    KVCacheResizeRequest,
     Position,
     Reply,
     TokenizeRequest,
@@ -106,6 +119,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     tokens.post("/tokenize")(server.tokenize)
     tokens.post("/detokenize")(server.detokenize)
     app.include_router(tokens)
+    admin = APIRouter(dependencies=[Depends(server.check_api_key)])
+    admin.get("/kv_cache")(server.kv_cache)
+    admin.post("/kv_cache/resize")(server.resize_kv_cache)
+    if engine.config.enable_sleep_mode:
+        admin.post("/sleep")(server.sleep)
+        admin.post("/wake_up")(server.wake_up)
+        admin.get("/is_sleeping")(server.is_sleeping)
+    app.include_router(admin)
     app.get("/version")(server.version)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
@@ -283,6 +304,50 @@ class _Server:
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def kv_cache(self) -> Response:
+        """The KV cache now: blocks committed, capacity and in use, bytes, resizes."""
+        with _engine_errors():
+            status = await self.engine.control(LLMEngine.kv_cache_status)
+        return JSONResponse(status)
+
+    async def resize_kv_cache(self, request: Request) -> Response:
+        """Grow or shrink the committed KV cache between two steps: {"num_blocks": N} or
+        {"memory_bytes": M}; the answer says what was committed."""
+        body = await self._parse(request, KVCacheResizeRequest)
+        with _engine_errors():
+            report = await self.engine.control(
+                lambda e: e.resize_kv_cache(body.num_blocks, body.memory_bytes)
+            )
+        return JSONResponse(report.as_dict())
+
+    async def sleep(self, request: Request) -> Response:
+        """vLLM's /sleep?level=N (1 or 2); `drain=true` lets running requests finish first,
+        refusing new ones meanwhile (else requests in flight are a 409)."""
+        level = _query(request, "level", SLEEP_LEVELS, 1)
+        drain = _query(request, "drain", Bool(), False)
+        with _engine_errors():
+            await self.engine.control(lambda e: e.sleep(level), when_idle=drain)
+        return JSONResponse({"is_sleeping": True, "level": level})
+
+    async def wake_up(self, request: Request) -> Response:
+        """vLLM's /wake_up, `tags` (repeatable: weights, kv_cache) naming what to wake."""
+        kind = Choice(TAGS)
+        given = request.query_params.getlist("tags")
+        tags = [_check_query("tags", kind, kind.parse(t)) for t in given] or None
+
+        def wake(engine: LLMEngine) -> bool:
+            engine.wake_up(tags)
+            return engine.is_sleeping()
+
+        with _engine_errors():
+            sleeping = await self.engine.control(wake)
+        return JSONResponse({"is_sleeping": sleeping})
+
+    async def is_sleeping(self) -> Response:
+        with _engine_errors():
+            sleeping = await self.engine.control(LLMEngine.is_sleeping)
+        return JSONResponse({"is_sleeping": sleeping})
+
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await self.prompts.encode(prompt, "prompt")
@@ -428,6 +493,19 @@ def _check_json(content_type: str | None) -> None:
         )
 
 
+def _query(request: Request, name: str, kind: Kind, default: object) -> object:
+    """Query parameter `name` as `kind` allows it (absent: `default`); else a 400 naming it."""
+    text = request.query_params.get(name)
+    return default if text is None else _check_query(name, kind, kind.parse(text))
+
+
+def _check_query(name: str, kind: Kind, value: object) -> object:
+    try:
+        return kind.check(name, value)
+    except ValueError as e:
+        raise APIError(400, str(e), name) from None
+
+
 @contextmanager
 def _engine_errors() -> Iterator[None]:
     """The engine's refusals and failures as HTTP errors (see `_as_api_error`)."""
@@ -437,14 +515,17 @@ def _engine_errors() -> Iterator[None]:
         raise _as_api_error(e) from None
 
 
-_FAILURES = (RequestFailedError, EngineDeadError, ServerStoppingError)
+_FAILURES = (RequestFailedError, EngineDeadError, ServerStoppingError, EngineStateError)
 
 
 def _as_api_error(error: Exception) -> APIError:
-    """Bad input 400, full 429, a failed step 500, engine dead or server stopping 503."""
+    """Bad input 400, a call the engine's state refuses 409, full 429, a failed step 500,
+    engine dead, asleep or server stopping 503."""
     status = 500 if isinstance(error, RequestFailedError) else 503
     if isinstance(error, ValueError):
         status = 400
+    elif isinstance(error, EngineStateError) and not isinstance(error, EngineAsleepError):
+        status = 409
     elif isinstance(error, QueueFullError):
         status = 429
     return APIError(status, str(error))

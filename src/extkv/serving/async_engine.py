@@ -1,9 +1,12 @@
 """The engine on a thread of its own, with asyncio on the other side of two queues.
 
 The engine is not thread-safe and its steps block, so exactly one thread owns it.
-Between steps it takes commands (add, abort) from a thread-safe inbox; after each
-step it hands every request's text delta to the event loop in one callback.
-Handlers never touch the engine: they `submit` and iterate the `RequestStream`.
+Between steps it takes commands (add, abort, and `control`: a call on the engine
+such as a KV cache resize or sleep, at once or once no request is left) from a
+thread-safe inbox; after each step it hands every request's text delta to the
+event loop in one callback. Handlers never touch the engine: they `submit` and
+iterate the `RequestStream`, or await `control`. While idle it also wakes when the
+elastic KV cache policy may give memory back.
 
 A request whose step failed ends with `RequestFailedError` and the others carry on;
 an error the engine cannot recover from (`EngineDeadError`, or any error escaping a
@@ -19,11 +22,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from extkv.engine.detokenizer import TextStream
-from extkv.engine.errors import EngineDeadError, RequestFailedError
+from extkv.engine.errors import (
+    EngineAsleepError,
+    EngineDeadError,
+    EngineStateError,
+    RequestFailedError,
+)
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from extkv.engine.sampling_params import SamplingParams
@@ -154,6 +163,16 @@ class _AbortAll:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Control:
+    """The inbox command that runs `call(engine)` between steps (with `when_idle`, once no
+    request is left, new ones refused meanwhile) and settles `future` with its outcome."""
+
+    call: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+    when_idle: bool
+
+
 class AsyncEngine:
     """The LLMEngine on a thread of its own: handlers `submit` and abort through its inbox
     and read each request's deltas from a RequestStream."""
@@ -164,8 +183,11 @@ class AsyncEngine:
         self.max_pending = max_pending
         self.error: BaseException | None = None
         self._pending = 0  # submitted and not yet ended; event-loop side only
-        self._inbox: queue.SimpleQueue[_Live | _AbortAll | str | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Live | _AbortAll | _Control | str | None] = (
+            queue.SimpleQueue()
+        )
         self._live: dict[str, _Live] = {}  # engine thread only
+        self._held: list[_Control] = []  # waiting for the engine to be idle; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="extkv-engine", daemon=True)
 
@@ -190,6 +212,15 @@ class AsyncEngine:
         ServerStoppingError; return once it has exited."""
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join)
+
+    async def control(self, call: Callable[[LLMEngine], Any], when_idle: bool = False) -> Any:
+        """`call(engine)` on the engine thread between two steps (with `when_idle`, once every
+        request has finished, refusing new ones meanwhile); its result, or its error."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.error!r})")
+        future = self._loop.create_future()
+        self._inbox.put(_Control(call, future, when_idle))
+        return await future
 
     def submit(self, request_id: str, requests: list[EngineRequest]) -> RequestStream:
         """Queue the engine requests of one API request, which share a stream; raise
@@ -239,9 +270,13 @@ class AsyncEngine:
         if self.engine.config.device.type == "cuda":
             torch.cuda.set_device(self.engine.config.device)  # a new thread starts on device 0
         try:
-            while self._take_commands(block=not self.engine.has_unfinished_requests()):
+            while self._take_commands(self._idle_wait()):
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
+                if self._held and not self.engine.has_unfinished_requests():
+                    held, self._held = self._held, []
+                    for command in held:
+                        self._control(command)
                 self.metrics.update_engine(self.engine.stats())
             self._fail_all(ServerStoppingError("the server is shutting down"))
         except Exception as e:
@@ -252,16 +287,33 @@ class AsyncEngine:
             while (command := self._inbox.get()) is not _STOP:  # so that no request waits
                 if isinstance(command, _Live):
                     self._post([(command.stream, dead, command.unfinished())])
+                elif isinstance(command, _Control):
+                    self._settle(command.future, dead)
 
-    def _take_commands(self, block: bool) -> bool:
-        """Apply every queued command, waiting for one if `block`; False on stop."""
+    def _idle_wait(self) -> float | None:
+        """How long to wait for a command: 0 while requests run; when idle, until the KV
+        cache policy may next give memory back (None: until a command comes)."""
+        if self.engine.has_unfinished_requests():
+            return 0
+        wait = self.engine.release_idle_kv_cache()
+        self.metrics.update_engine(self.engine.stats())  # what it gave back, shown now
+        return wait
+
+    def _take_commands(self, wait: float | None) -> bool:
+        """Apply every queued command, waiting `wait` seconds for one (None: as long as it
+        takes); False on stop."""
         try:
-            command = self._inbox.get(block=block)
+            command = self._inbox.get(block=wait != 0, timeout=wait)
         except queue.Empty:
             return True
         while command is not _STOP:
             if isinstance(command, _Live):
                 self._add(command)
+            elif isinstance(command, _Control):
+                if command.when_idle and self.engine.has_unfinished_requests():
+                    self._held.append(command)  # run by the loop once the requests are done
+                else:
+                    self._control(command)
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._live):
                     self._abort(request_id, ServerStoppingError(command.reason))
@@ -273,13 +325,38 @@ class AsyncEngine:
                 return True
         return False
 
+    def _control(self, command: _Control) -> None:
+        try:
+            result = command.call(self.engine)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # refused, or failed: the caller's to report
+            self._settle(command.future, e)
+        else:
+            self._settle(command.future, result)
+
+    def _settle(self, future: asyncio.Future, outcome: object) -> None:
+        def settle() -> None:
+            if future.cancelled():
+                return
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        self._loop.call_soon_threadsafe(settle)
+
     def _add(self, live: _Live) -> None:
         request_id = live.request_id
+        if self._held:  # draining for a call that needs the engine idle (sleep)
+            refusal = EngineAsleepError("the engine is about to sleep: retry after /wake_up")
+            self._post([(live.stream, refusal, live.unfinished())])
+            return
         try:
             self.engine.add_request(live.prompt_token_ids, live.params, request_id=request_id)
         except EngineDeadError:
             raise
-        except ValueError as e:  # the request's fault: a 400
+        except (ValueError, EngineStateError) as e:  # the request's fault, or asleep: a 4xx/503
             self._post([(live.stream, e, live.unfinished())])
             return
         except Exception as e:  # a bug, but this request's alone
@@ -373,6 +450,9 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         self._post([(live.stream, error, live.unfinished()) for live in self._live.values()])
         self._live.clear()
+        for command in self._held:
+            self._settle(command.future, error)
+        self._held.clear()
 
     def _post(self, items: list[_Item]) -> None:
         if items:

@@ -47,6 +47,15 @@ class ServerMetrics:
         self.preemptions = Gauge(
             "extkv_preemptions", "requests preempted (recomputed) since start", registry=r
         )
+        self.kv_resizes = Gauge(
+            "extkv_kv_cache_resizes",
+            "KV cache resizes while serving, since start, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.sleep_level = Gauge(
+            "extkv_sleep_level", "sleep mode: 0 awake, else the level slept at", registry=r
+        )
         self.prompt_tokens = Counter("extkv_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("extkv_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter(
@@ -76,6 +85,9 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.preemptions.set(stats.num_preemptions)
+        self.kv_resizes.labels("grow").set(stats.num_kv_grows)
+        self.kv_resizes.labels("shrink").set(stats.num_kv_shrinks)
+        self.sleep_level.set(stats.sleep_level)
 
     def render(self) -> bytes:
         """The registry in Prometheus's text format, for `/metrics`."""

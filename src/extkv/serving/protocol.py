@@ -269,6 +269,23 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+class KVCacheResizeRequest(_Strict):
+    """A /kv_cache/resize body: the size to commit, as blocks or as bytes (rounded down to
+    whole blocks and granules); exactly one of them."""
+
+    num_blocks: int | None = Field(None, ge=1)
+    memory_bytes: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> KVCacheResizeRequest:
+        if (self.num_blocks is None) == (self.memory_bytes is None):
+            raise PydanticCustomError(
+                "invalid_value",
+                "give exactly one of num_blocks (an int >= 1) or memory_bytes (an int >= 0)",
+            )
+        return self
+
+
 def parse_request(model: type[T], body: bytes) -> T:
     """Validate a JSON body; every problem becomes one 400 naming its field."""
     try:

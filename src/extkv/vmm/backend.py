@@ -1,7 +1,8 @@
 """The interface both virtual-memory backends (CUDA driver, host mmap) implement.
 
-A backend knows four things: reserve address space, map physical memory onto a
-piece of it, unmap that again, and wrap an address range as a torch tensor.
+A backend knows five things: reserve address space, map physical memory onto a
+piece of it, unmap that again (wholly, or all but some pieces of it), and wrap an
+address range as a torch tensor.
 Everything above (granules, segments, growth) is backend-independent and so is
 exercised in CI on the host backend.
 """
@@ -42,6 +43,15 @@ class Backend(Protocol):
 
     def unmap(self, address: int, size: int, handle: object) -> None:
         """Undo one `map` and give its physical memory back."""
+        ...
+
+    def unmap_part(
+        self, address: int, size: int, handle: object, keep: list[tuple[int, int]]
+    ) -> list[object]:
+        """Give back the physical memory of one `map` except the `keep` pieces ((offset,
+        size) within it, granule-aligned, ascending), which stay mapped at their
+        addresses with their contents; return one handle per kept piece. Raises
+        VirtualMemoryOutOfMemory, with nothing changed, where that needs memory."""
         ...
 
     def as_tensor(self, address: int, size: int, owner: object) -> torch.Tensor:

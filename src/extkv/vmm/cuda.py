@@ -137,6 +137,49 @@ class CudaBackend:
             _check(cu.cuMemUnmap(address, size), "cuMemUnmap")
             _check(cu.cuMemRelease(handle), "cuMemRelease")
 
+    def unmap_part(
+        self, address: int, size: int, handle: object, keep: list[tuple[int, int]]
+    ) -> list[object]:
+        """Release one mapping but the `keep` pieces, whose bytes move to allocations of
+        their own under the same addresses.
+
+        The driver cannot give back part of a physical allocation: `cuMemUnmap` takes
+        a whole mapping and `cuMemRelease` a whole handle. So each kept piece gets a
+        new allocation, mapped first at a scratch reservation and filled by a device
+        copy while the old mapping still stands; then the old allocation is unmapped
+        and released, and each new one is moved (unmapped from scratch, mapped again)
+        to its piece's address. For a moment this holds the kept bytes twice: out of
+        memory for the copies raises VirtualMemoryOutOfMemory with nothing changed.
+        The device is synchronised first, since kernels may still use the range.
+        """
+        scratch_size = sum(length for _, length in keep)
+        with self._in_context():
+            _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            scratch = self.reserve(scratch_size)
+            copies: list[tuple[object, int, int, int]] = []  # handle, scratch, offset, size
+            try:
+                at = scratch
+                for offset, length in keep:
+                    copies.append((self.map(at, length), at, offset, length))
+                    _check(cu.cuMemcpyDtoD(at, address + offset, length), "cuMemcpyDtoD")
+                    at += length
+                _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            except BaseException:
+                for new, at, _, length in copies:
+                    self.unmap(at, length, new)
+                self.free_reservation(scratch, scratch_size)
+                raise
+            self.unmap(address, size, handle)
+            for new, at, offset, length in copies:
+                _check(cu.cuMemUnmap(at, length), "cuMemUnmap")  # `new` keeps the memory
+                _check(cu.cuMemMap(address + offset, length, 0, new, 0), "cuMemMap")
+                _check(
+                    cu.cuMemSetAccess(address + offset, length, [self._access], 1),
+                    "cuMemSetAccess",
+                )
+            self.free_reservation(scratch, scratch_size)
+        return [new for new, _, _, _ in copies]
+
     def free_bytes(self) -> int | None:
         """Free device memory per the driver: what a commit could still get."""
         with self._in_context():

@@ -1,8 +1,9 @@
 """Host backend: the same reserve/commit model on ordinary process memory.
 
 `mmap(PROT_NONE)` reserves, `mprotect(READ|WRITE)` commits and
-`madvise(DONTNEED)` + `mprotect(PROT_NONE)` releases, so touching memory that
-was never committed faults exactly as it would on the GPU. Linux only.
+`madvise(DONTNEED)` + `mprotect(PROT_NONE)` releases (the pages leave the
+resident set), so touching memory that was never committed, or was given back,
+faults exactly as it would on the GPU. Linux only.
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ class HostBackend:
         _check(_libc.madvise(address, size, mmap.MADV_DONTNEED), "madvise")
         _check(_libc.mprotect(address, size, _PROT_NONE), "mprotect")
         self.committed_bytes -= size
+
+    def unmap_part(
+        self, address: int, size: int, handle: object, keep: list[tuple[int, int]]
+    ) -> list[object]:
+        """Unmap the gaps between the `keep` pieces in place: pages are independent here,
+        so the kept ones are never touched (and cost nothing to keep)."""
+        start = 0
+        for offset, length in [*keep, (size, 0)]:
+            if offset > start:
+                self.unmap(address + start, offset - start, offset - start)
+            start = offset + length
+        return [length for _, length in keep]
 
     def free_bytes(self) -> int | None:
         """Room left under `commit_limit_bytes`, or None when there is no limit."""

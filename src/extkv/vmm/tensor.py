@@ -4,7 +4,8 @@ The whole capacity is reserved as address space up front; physical memory is
 committed as the buffer grows. The buffer may be split into equal segments
 whose committed prefixes grow in lockstep, which is what a KV cache laid out
 as (2, num_blocks, ...) needs: blocks 0..n of K and of V, not the first 2n
-blocks of K.
+blocks of K. Growth never shrinks by mistake: giving memory back is a method of
+its own, `shrink_per_segment_`.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class ExtensibleTensor:
         self._require_single_segment("tensor")
         return self.full_view()[: self._bytes_per_segment]
 
-    # --- growth ------------------------------------------------------------------------
+    # --- growth and shrinking ------------------------------------------------------------
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
         """Grow every segment's committed prefix to `bytes_per_segment`, keeping old bytes;
@@ -211,6 +212,26 @@ class ExtensibleTensor:
             view = self.full_view()
             for start, end in new_ranges:
                 view[start:end].zero_()
+
+    def shrink_per_segment_(self, bytes_per_segment: int) -> None:
+        """Shrink every segment's committed prefix to `bytes_per_segment`, giving back the
+        physical memory of every granule that no kept byte lies in (a granule straddling
+        two segments stays while either needs it). The base pointer and the kept bytes
+        do not change; bytes past the new prefix are unspecified, and touching one whose
+        granule was given back faults."""
+        self._check_alive()
+        _check_size("bytes_per_segment", bytes_per_segment)
+        old = self._bytes_per_segment
+        if bytes_per_segment > old:
+            raise ValueError(
+                f"shrink_per_segment_ cannot grow from {old} to {bytes_per_segment} bytes "
+                "per segment; use resize_per_segment_"
+            )
+        if bytes_per_segment == old:
+            return
+        self._bytes_per_segment = bytes_per_segment  # even if a driver call fails below
+        starts = range(0, self._max_num_bytes, self._segment_capacity)
+        self._granules.release_outside([(s, s + bytes_per_segment) for s in starts])
 
     def resize_(self, num_bytes: int) -> torch.Tensor:
         """Grow a one-segment buffer to `num_bytes` and return the new, longer view."""

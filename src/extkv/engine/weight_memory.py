@@ -1,0 +1,129 @@
+"""The weights in memory that sleep can give back without moving them.
+
+CUDA graphs bake in the weights' addresses, so sleep mode cannot free the weights
+and allocate them anew on wake. With `enable_sleep_mode` the engine moves every
+parameter and buffer of the model, right after loading and before anything takes
+an address, into one ExtensibleTensor: each tensor becomes a view at a fixed
+offset of it. Sleep copies bytes out to host memory (pinned on CUDA) and shrinks
+the region to nothing; wake commits it again under the same base pointer and
+copies them back. Level 2 keeps only the buffers on the host (rotary tables and
+the like, which no checkpoint holds): the parameters are read from the
+checkpoint again on wake.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from extkv.vmm import ExtensibleTensor
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 256  # every tensor's start, so that any dtype (and any kernel's vector loads) fits
+
+
+@dataclass
+class _Storage:
+    """One storage of the model's tensors: its place in the region, whether a buffer
+    (not a parameter) uses it, and its bytes while the region sleeps."""
+
+    offset: int
+    num_bytes: int
+    has_buffer: bool = False
+    saved: torch.Tensor | None = None
+
+
+class WeightMemory:
+    """The model's parameters and buffers as views into one region that can be emptied
+    (`offload`) and filled again (`restore`) under the same addresses."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        slots: list[tuple[nn.Module, str, str, torch.Tensor]] = []  # module, kind, name, tensor
+        for module in model.modules():
+            for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+                slots += [(module, kind, n, t) for n, t in tensors.items() if t is not None]
+        self._storages: dict[int, _Storage] = {}  # by the address of the storage before
+        sources: dict[int, torch.Tensor] = {}  # a tensor over each of them
+        size = 0
+        for _, kind, _, tensor in slots:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in self._storages:
+                self._storages[key] = _Storage(size, tensor.untyped_storage().nbytes())
+                sources[key] = tensor
+                size = -(-(size + self._storages[key].num_bytes) // _ALIGN) * _ALIGN
+            self._storages[key].has_buffer |= kind == "buffer"
+        self.num_bytes = size
+        self._region = ExtensibleTensor(size, device)
+        self._region.resize_(size)
+        for key, storage in self._storages.items():
+            raw = torch.empty(0, dtype=torch.uint8, device=device)
+            self._piece(storage).copy_(raw.set_(sources[key].untyped_storage()))
+        # Every view before any tensor changes: a tied parameter is listed twice.
+        moved = {
+            id(t): self._view(t, self._storages[t.untyped_storage().data_ptr()])
+            for _, _, _, t in slots
+        }
+        for module, kind, name, tensor in slots:
+            if kind == "param":
+                tensor.data = moved[id(tensor)]
+            else:
+                module._buffers[name] = moved[id(tensor)]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the storages left behind are not memory in use
+        logger.info(
+            "Moved the weights into virtual memory that sleep can give back (%.3f GiB).",
+            size / (1 << 30),
+        )
+
+    def _piece(self, storage: _Storage) -> torch.Tensor:
+        """The bytes of `storage` in the region."""
+        return self._region.full_view()[storage.offset : storage.offset + storage.num_bytes]
+
+    def _view(self, tensor: torch.Tensor, storage: _Storage) -> torch.Tensor:
+        """`tensor` as a view of its storage's copy in the region (same shape and strides)."""
+        typed = self._piece(storage).view(tensor.dtype)
+        return typed.as_strided(
+            tensor.shape, tensor.stride(), typed.storage_offset() + tensor.storage_offset()
+        )
+
+    @property
+    def committed_bytes(self) -> int:
+        """Physical bytes the region holds now: 0 while asleep."""
+        return self._region.committed_bytes
+
+    def offload(self, keep_parameters: bool) -> None:
+        """Copy what wake needs back to host memory (everything, or with `keep_parameters`
+        off only the storages buffers use) and give the region's memory back."""
+        cuda = self._region.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self._region.device)  # no kernel may still read the weights
+        for storage in self._storages.values():
+            if keep_parameters or storage.has_buffer:
+                storage.saved = torch.empty(storage.num_bytes, dtype=torch.uint8, pin_memory=cuda)
+                storage.saved.copy_(self._piece(storage))
+        self._region.shrink_per_segment_(0)
+
+    def restore(self, reload_parameters: Callable[[], None]) -> None:
+        """Commit the region again under the same addresses and copy back what `offload`
+        saved; `reload_parameters` fills the parameters it did not (from the checkpoint)."""
+        self._region.resize_(self.num_bytes)
+        missing = False
+        for storage in self._storages.values():
+            if storage.saved is None:
+                missing = True
+                continue
+            self._piece(storage).copy_(storage.saved)
+            storage.saved = None
+        if missing:
+            reload_parameters()
+
+    def free(self) -> None:
+        """Give the region back for good; the model's tensors dangle after."""
+        self._region.free()
+        for storage in self._storages.values():
+            storage.saved = None
