@@ -36,14 +36,14 @@ def rms_norm(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I), gate then up -> silu(gate) * up (T, I)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one (T, I) tensor fewer to allocate and fill
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I), gate then up -> gelu(gate, tanh approximation) * up (T, I), as
     transformers' `gelu_pytorch_tanh`."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def gated_rms_norm(
@@ -64,7 +64,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     rotary_dim = 2 * cos.shape[-1]
     x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
+    # Each half computed into its place in the output (no cat pass over the whole): the
+    # same values, rounded as HF's. The output is contiguous in x's shape, whatever x's
+    # strides (`_rotated_head_major` relies on it).
+    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    out1, out2 = out[..., :rotary_dim].chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 def qk_norm_rope(
