@@ -32,6 +32,7 @@ from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import decode_batch_sizes
 from extkv.engine.errors import StartupError
+from extkv.engine.host_memory import keep_freed_memory
 from extkv.engine.kv_policy import floor_blocks
 from extkv.engine.model_runner import ModelRunner, make_kv_cache_plan
 from extkv.engine.weight_memory import WeightMemory
@@ -192,6 +193,8 @@ def start_rank(
         model, hf_config = load_model(config.model, config.dtype, config.device, group)
         load_seconds = time.perf_counter() - start
         logger.info("Loaded the weights in %.2f s.", load_seconds)
+        if config.device.type == "cpu":  # after loading: its transient buffers go back
+            keep_freed_memory(config.cpu_memory_budget_bytes)
         facts = model_facts(hf_config, config.model)
         config.finalize(facts.max_position_embeddings)
         kv_plan = make_kv_cache_plan(model, config)
