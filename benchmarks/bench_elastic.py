@@ -259,6 +259,7 @@ def shared_worker(args: argparse.Namespace) -> None:
     work = Path(args.work)
     llm = LLM(
         str(args.model),
+        enable_extensible_kv_cache=True,
         kv_cache_policy="elastic",
         kv_idle_release_s=args.idle_release_s,
         gpu_memory_utilization=args.share_utilization,
