@@ -432,17 +432,23 @@ def main() -> None:
         args.weights_gib, args.kv_gib, args.resize_gib = 0.0625, 0.25, [0.0625]
         args.batch = 4
     results: dict[str, Rows] = {}
+
+    def done(name: str, rows: Rows) -> None:  # each table as soon as it is measured
+        results[name] = rows
+        print_table(
+            f"elastic {name} ({device.type})", rows, COLUMNS.get(name, COLUMNS["mechanism"])
+        )
+        same = {case: row["same_tokens"] for case, row in rows.items() if "same_tokens" in row}
+        if same:
+            print(f"   same greedy tokens: {same}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+
     model = qwen3_0_6b_checkpoint() if cuda else tiny_checkpoint()
     args.model = model
     if "shared" in args.sections and cuda:  # first: nothing of this process holds memory yet
-        results["shared"] = shared_engines(args)
-    if "mechanism" in args.sections:
-        weights, kv = int(args.weights_gib * GiB), int(args.kv_gib * GiB)
-        rows = extkv_mechanism(weights, kv, device)
-        if cuda:
-            rows |= tms_mechanism(weights, kv, device)
-        results["mechanism"] = rows
-    if {"engine", "during"} & set(args.sections):
+        done("shared", shared_engines(args))
+    if {"engine", "during"} & set(args.sections):  # before torch_memory_saver's pools
         options = {} if cuda else {"device": "cpu", "cpu_memory_budget_bytes": 512 << 20}
         llm = LLM(
             str(model),
@@ -453,22 +459,21 @@ def main() -> None:
         )
         vocab = llm.engine.vocab_size
         if "engine" in args.sections:
-            results["engine"] = engine_sleep(llm, device, vocab)
-            results["resize"] = engine_resizes(llm, device, args.resize_gib)
+            done("engine", engine_sleep(llm, device, vocab))
+            done("resize", engine_resizes(llm, device, args.resize_gib))
         if "during" in args.sections:
-            results["during"] = decode_during_resize(
-                llm, vocab, args.batch, args.resize_gib[0] if args.smoke else 8
-            )
+            resize_gib = args.resize_gib[0] if args.smoke else 8
+            done("during", decode_during_resize(llm, vocab, args.batch, resize_gib))
         llm.close()
         del llm
-    for name, rows in results.items():
-        columns = COLUMNS.get(name, COLUMNS["mechanism"])
-        print_table(f"elastic {name} ({device.type})", rows, columns)
-        texts = {case: row["same_tokens"] for case, row in rows.items() if "same_tokens" in row}
-        if texts:
-            print(f"   same greedy tokens: {texts}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        if cuda:
+            torch.cuda.empty_cache()
+    if "mechanism" in args.sections:
+        weights, kv = int(args.weights_gib * GiB), int(args.kv_gib * GiB)
+        rows = extkv_mechanism(weights, kv, device)
+        if cuda:
+            rows |= tms_mechanism(weights, kv, device)
+        done("mechanism", rows)
 
 
 if __name__ == "__main__":
