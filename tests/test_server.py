@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from extkv.cli import main
 from extkv.demo import make_random_checkpoint
 from extkv.engine.config import EngineConfig
 from extkv.serving import ServerSettings, build_app
+from extkv.serving.async_engine import GIL_SWITCH_INTERVAL_S
 from extkv.serving.prompts import PromptEncoder
 from helpers import children
 from live_server import (
@@ -277,6 +279,8 @@ def test_a_model_without_tokenizer_streams_a_chunk_per_token(tmp_path: Path) -> 
     llm = LLM(model, device="cpu", **ENGINE)
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, **NO_EOS}
     with in_process_server(llm, ServerSettings(MODEL)) as url:
+        # The engine thread hands the GIL over within a fraction of a step: no bursts.
+        assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S
         whole = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
         events = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}).text
     chunks = [
