@@ -9,6 +9,7 @@ from torch import nn
 
 from extkv.attention.metadata import get_forward_context
 from extkv.attention.ops import qk_norm_rope, rope_store_attention, varlen_attention
+from extkv.attention.splits import AttentionSplits
 
 
 class QKNorm(NamedTuple):
@@ -55,9 +56,11 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         qk_norm: QKNorm | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | AttentionSplits:
         """qkv (T, (num_heads + 2 num_kv_heads) * head_dim), positions (T,), the rotary
-        table (max_position, rotary_dim) -> (T, num_heads * head_dim)."""
+        table (max_position, rotary_dim) -> (T, num_heads * head_dim); on CUDA, a decode
+        that ran in several splits returns them unmerged (`AttentionSplits`, whose
+        `merged()` is that output): the output projection merges them."""
         metadata = get_forward_context().attention
         q_weight, k_weight, eps = qk_norm or (None, None, 0.0)
         prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
@@ -69,4 +72,6 @@ class Attention(nn.Module):
             out = rope_store_attention(
                 *prepare, q_weight, k_weight, eps, *cache, metadata, self.scale, self.sliding_window
             )
+        if isinstance(out, AttentionSplits):
+            return out
         return out.view(-1, self.num_heads * self.head_dim)

@@ -25,6 +25,7 @@ import triton.language as tl
 from extkv.kernels.activation import silu_times
 from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.norm import weighted_rms
+from extkv.kernels.paged_attention import merge_splits
 from extkv.kernels.pdl import pdl_launch, prefetch_to_l2, wait_for_previous_grid
 
 MAX_ROWS = 16  # x's rows are padded to this: tl.dot's smallest dimension
@@ -34,11 +35,14 @@ _NUM_STAGES = 6
 _MAX_SPLIT = 8  # slices of K per tile at most
 _MIN_SLICE_STAGES = 3  # and each slice at least this many stages long
 _INTERPRETED_SMS = 132  # the H200's, for block choices under the Triton interpreter (CPU)
+_MERGE_STAGES_BYTES = 180 * 1024  # shared memory for the split merge's pipeline stages
 
 
 # What the GEMV multiplies W by: x itself, silu(gate) * up of a gated MLP's (M, 2K)
-# gate_up (the activation kernel fused in), or RMSNorm(x + residual) (the norm fused in).
+# gate_up (the activation kernel fused in), RMSNorm(x + residual) (the norm fused in), or
+# the decode attention's output merged from its splits (the merge kernel fused in).
 PLAIN, SILU_AND_MUL, RMS_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+MERGE_SPLITS = tl.constexpr(3)
 
 
 @triton.jit
@@ -52,6 +56,7 @@ def _gemv_kernel(
     residual_ptr,
     norm_weight_ptr,
     residual_out_ptr,
+    lse_ptr,
     w_address,
     num_rows,
     N,
@@ -62,6 +67,7 @@ def _gemv_kernel(
     stride_ym,
     stride_rm,
     stride_rom,
+    stride_lm,
     eps,
     INPUT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -71,6 +77,10 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_CHUNKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
@@ -110,6 +120,11 @@ def _gemv_kernel(
         tile_ok = k_ok[:, None] & m_ok[None, :]
         if INPUT == SILU_AND_MUL:
             xt = _silu_and_mul_tile(x_col, kk, K, tile_ok)
+        elif INPUT == MERGE_SPLITS:
+            xt = _merged_tile(
+                x_ptr, lse_ptr, stride_xm, stride_lm, start, k_end, num_rows, w_ptr,
+                HEAD_DIM, HEAD_CHUNK, NUM_SPLITS, ROWS, BLOCK_K, BLOCK_M,
+            )  # fmt: skip
         elif INPUT == RMS_NORM:
             total = _residual_sum(x_col, r_col, kk, tile_ok, HAS_RESIDUAL)
             if HAS_RESIDUAL and pid_n == 0:  # one tile column writes the new residual stream
@@ -164,6 +179,47 @@ def _silu_and_mul_tile(x_col, kk, K, tile_ok):
     gate = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
     up = tl.load(x_col + K + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
     return silu_times(gate, up, x_col)
+
+
+@triton.jit
+def _merged_tile(
+    x_ptr,
+    lse_ptr,
+    stride_xm,
+    stride_lm,
+    start,
+    k_end,
+    num_rows,
+    like_ptr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(BLOCK_K, BLOCK_M) of the attention output's columns from `start` (below k_end),
+    merged from its splits in the dtype `like_ptr` points to, as the merge kernel rounds
+    it; x_ptr is the (M, H, NUM_SPLITS, HEAD_DIM) partial outputs, lse_ptr their (M, H,
+    NUM_SPLITS) log-sum-exps.
+
+    The chunk holds BLOCK_K // HEAD_CHUNK heads' HEAD_CHUNK columns each (HEAD_DIM and
+    BLOCK_K powers of two), so each split's lse is loaded once per head and row. The
+    pipeline keeps a stage's loads in shared memory, NUM_SPLITS partials per element:
+    only ROWS (>= num_rows) rows are loaded, then repeated across the tile's BLOCK_M
+    columns (column m holds row m % ROWS; those past num_rows are never stored)."""
+    head = start // HEAD_DIM + tl.arange(0, BLOCK_K // HEAD_CHUNK)[:, None, None]
+    first = head * HEAD_DIM + start % HEAD_DIM  # the head's first column in the chunk
+    dim = start % HEAD_DIM + tl.arange(0, HEAD_CHUNK)[None, :, None]
+    row = tl.arange(0, ROWS)[None, None, :]
+    lse_ok = (first < k_end) & (row < num_rows)
+    out_ok = (head * HEAD_DIM + dim < k_end) & (row < num_rows)
+    out = x_ptr + row.to(tl.int64) * stride_xm + head * (NUM_SPLITS * HEAD_DIM) + dim
+    lse = lse_ptr + row.to(tl.int64) * stride_lm + head * NUM_SPLITS
+    merged = merge_splits(out, out_ok, lse, lse_ok, HEAD_DIM, NUM_SPLITS)
+    rows = tl.reshape(merged.to(like_ptr.dtype.element_ty), (BLOCK_K, ROWS))
+    repeated = tl.broadcast_to(rows[:, None, :], (BLOCK_K, BLOCK_M // ROWS, ROWS))
+    return tl.reshape(repeated, (BLOCK_K, BLOCK_M))
 
 
 @triton.jit
@@ -265,10 +321,24 @@ def gemv_config(n: int, k: int, itemsize: int, num_sms: int) -> GemvConfig:
     return GemvConfig(_BLOCK_N, block_k, split_k, num_stages=_NUM_STAGES)
 
 
+def merge_pipeline_stages(config: GemvConfig, itemsize: int, num_splits: int, rows: int) -> int:
+    """Pipeline stages of the GEMV merging `num_splits` splits of `rows` (a power of two)
+    rows: each stage holds a W tile and every split's partials of its chunk, so where
+    the tiling's stages would overflow sm90's shared memory it keeps fewer (down to 2: at
+    most 16 splits of 16 rows fit one). Stages change the speed only, never the result."""
+    stage = config.block_n * config.block_k * itemsize + num_splits * rows * config.block_k * 4
+    return max(2, min(config.num_stages, 1 + _MERGE_STAGES_BYTES // stage))
+
+
 def _check_operands(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    same_dtype: bool = True,
 ) -> None:
-    """The checks every entry point shares: x (M, ...) of at most MAX_ROWS rows, W (N, k)."""
+    """The checks every entry point shares: x (M, ...) of at most MAX_ROWS rows, W (N, k),
+    of x's dtype unless not `same_dtype`."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(
             f"the small-batch GEMV needs x (M, K) and weight (N, K), got {tuple(x.shape)} "
@@ -280,7 +350,7 @@ def _check_operands(
         raise ValueError(
             "the small-batch GEMV needs x and weight with contiguous rows (stride(1) == 1)"
         )
-    if weight.dtype != x.dtype:
+    if same_dtype and weight.dtype != x.dtype:
         raise ValueError(f"weight's dtype {weight.dtype} must be x's ({x.dtype})")
     n = weight.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
@@ -343,6 +413,38 @@ def rms_norm_linear_small_batch(
     return _launch(x, weight, bias, config, RMS_NORM, norm), residual_out
 
 
+def merge_splits_linear_small_batch(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`linear_small_batch(merged, weight, bias)` in one kernel, to the same bits, where
+    `merged` (M, H * D) in W's dtype is what the decode attention's merge kernel makes of
+    its splits: part_out (M, H, S, D) and part_lse (M, H, S), fp32 and contiguous
+    (extkv.kernels.paged_attention.AttentionSplits). Each program merges only the columns
+    it multiplies."""
+    if part_out.dim() != 4 or part_lse.shape != part_out.shape[:3]:
+        raise ValueError(
+            f"part_out must be (M, H, S, D) and part_lse (M, H, S), got "
+            f"{tuple(part_out.shape)} and {tuple(part_lse.shape)}"
+        )
+    if part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
+        raise ValueError(
+            f"part_out and part_lse must be float32, got {part_out.dtype} and {part_lse.dtype}"
+        )
+    if not (part_out.is_contiguous() and part_lse.is_contiguous()):
+        raise ValueError("part_out and part_lse must be contiguous")
+    num_heads, head_dim = part_out.shape[1], part_out.shape[3]
+    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
+        raise ValueError(
+            f"weight must be (N, H * D = {num_heads * head_dim}), got {tuple(weight.shape)}"
+        )
+    _check_operands(part_out.flatten(1), weight, bias, num_heads * head_dim, same_dtype=False)
+    return _launch(part_out, weight, bias, config, MERGE_SPLITS, lse=part_lse)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -350,16 +452,18 @@ def _launch(
     config: GemvConfig | None,
     input_kind: int,
     norm: tuple | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run `_gemv_kernel` for checked operands; `norm` is (residual, weight, eps,
-    residual_out) for RMS_NORM."""
+    """Run `_gemv_kernel` for checked operands, y in W's dtype; `norm` is (residual,
+    weight, eps, residual_out) for RMS_NORM, `lse` the (M, H, S) log-sum-exps of the
+    (M, H, S, D) partial outputs x for MERGE_SPLITS."""
     num_rows = x.shape[0]
     n, k = weight.shape
-    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_rows, n, dtype=weight.dtype, device=x.device)
     if not (num_rows and n):
         return y
     num_sms = _num_sms(x.device)
-    config = config or gemv_config(n, k, x.element_size(), num_sms)
+    config = config or gemv_config(n, k, weight.element_size(), num_sms)
     tiles = triton.cdiv(n, config.block_n)
     partials = arrivals = y  # never touched without a split
     if config.split_k > 1:
@@ -370,6 +474,9 @@ def _launch(
         )
         arrivals = arrival_counters("linear_small_batch", x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    rows = triton.next_power_of_2(num_rows)
+    if lse is not None:
+        merge_stages = merge_pipeline_stages(config, weight.element_size(), lse.shape[-1], rows)
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, x)
     launch = pdl_launch(x.device)
     # Prefetch only for grids of one wave: a later wave's programs start when an earlier
@@ -385,6 +492,7 @@ def _launch(
         x if residual is None else residual,  # never read without HAS_RESIDUAL
         norm_weight,
         residual_out,
+        x if lse is None else lse,  # never read but for MERGE_SPLITS
         weight.data_ptr(),
         num_rows,
         n,
@@ -395,6 +503,7 @@ def _launch(
         y.stride(0),
         0 if residual is None else residual.stride(0),
         residual_out.stride(0),
+        0 if lse is None else lse.stride(0),
         eps,
         INPUT=input_kind,
         HAS_RESIDUAL=residual is not None,
@@ -404,11 +513,15 @@ def _launch(
         BLOCK_M=MAX_ROWS,
         SPLIT_K=config.split_k,
         K_CHUNKS=triton.cdiv(k, config.block_k) if input_kind == RMS_NORM else 1,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HEAD_DIM=1 if lse is None else x.shape[-1],
+        HEAD_CHUNK=1 if lse is None else min(x.shape[-1], config.block_k),
+        NUM_SPLITS=1 if lse is None else lse.shape[-1],
+        ROWS=rows,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch,
-        LINE_ELEMENTS=min(config.block_k, 128 // x.element_size()),
+        LINE_ELEMENTS=min(config.block_k, 128 // weight.element_size()),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages if lse is None else merge_stages,
         **launch,
     )
     return y
