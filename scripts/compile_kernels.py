@@ -58,9 +58,9 @@ def compile_for_hopper(
 
 def gemv_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
     """Every input kind with and without split K and PDL: the norm with a bf16 and an fp32
-    residual stream; the split merge at Qwen3's head dim 128 (one head a chunk) and
-    SmolLM2's 64 (two), for 1 row of 2 and 16 splits and 16 rows of 4 and 16, each with
-    the pipeline stages `merge_pipeline_stages` keeps: (name, types, constexprs, options)."""
+    residual stream; the split merge at Qwen3's head dim 128 and SmolLM2's 64, 1 row of 2
+    and 16 splits and 16 rows of 4 and 16, each with the heads in flight that
+    `merge_pipeline_stages` gives it: (name, types, constexprs, options)."""
     config = gemv.GemvConfig(64, 128, num_stages=6)  # gemv_config's for bf16
     cases = [(0, "bf16", 1, 1, 1), (1, "bf16", 1, 1, 1), (2, "bf16", 1, 1, 1), (2, "fp32", 1, 1, 1)]
     cases += [(3, "bf16", 128, splits, rows) for splits, rows in ((2, 1), (16, 1), (4, 16))]
@@ -75,14 +75,12 @@ def gemv_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             "arrivals_ptr": "*i32",
             "residual_ptr": f"*{residual}",
             "residual_out_ptr": f"*{residual}",
-            "lse_ptr": "*fp32",
+            "part_out_ptr": "*fp32",
+            "part_lse_ptr": "*fp32",
             "w_address": "i64",
             "eps": "fp32",
         }
-        stages = config.num_stages
-        if kind == 3:
-            types["x_ptr"] = "*fp32"  # the attention's partial outputs
-            stages = gemv.merge_pipeline_stages(config, 2, splits, rows)
+        stages = gemv.merge_pipeline_stages(splits, head_dim, rows) if kind == 3 else 1
         constexprs = dict(
             **({"num_rows": 1} if rows == 1 else {}),  # Triton specializes a batch of one
             INPUT=kind,
@@ -94,9 +92,10 @@ def gemv_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             SPLIT_K=split,
             K_CHUNKS=8 if kind == 2 else 1,
             HEAD_DIM=head_dim,
-            HEAD_CHUNK=min(head_dim, config.block_k),
+            HEAD_DIM_P2=head_dim,
             NUM_SPLITS=splits,
             ROWS=rows,
+            MERGE_STAGES=stages,
             DOT_PRECISION="tf32",
             PREFETCH=bool(pdl),
             LINE_ELEMENTS=64,
@@ -105,7 +104,7 @@ def gemv_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
         name = f"gemv input={kind} residual={residual} split_k={split} pdl={pdl}"
         if kind == 3:
             name += f" head_dim={head_dim} splits={splits} rows={rows} stages={stages}"
-        options = dict(num_warps=config.num_warps, num_stages=stages)
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         variants.append((name, types, constexprs, options))
     return variants
 

@@ -11,6 +11,12 @@ arithmetic never limits a memory-bound loop. Weights too narrow to give every
 SM work (N=1024 at batch 1) split K over several programs per tile; the last
 to finish adds the partial sums in a fixed order, so results are bit-identical
 for the same inputs whichever program that is.
+
+The op before a projection can run in its input, to the same bits as the two kernels
+(one kernel fewer per decode step's layer): RMSNorm (with the residual add) and
+SiLU*mul are computed on each chunk of x as it is multiplied; the decode attention's
+split merge is computed first, each program merging the columns it multiplies into
+rows of its own, which the loop then reads as plain rows (see `_gemv_kernel`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ _NUM_STAGES = 6
 _MAX_SPLIT = 8  # slices of K per tile at most
 _MIN_SLICE_STAGES = 3  # and each slice at least this many stages long
 _INTERPRETED_SMS = 132  # the H200's, for block choices under the Triton interpreter (CPU)
-_MERGE_STAGES_BYTES = 180 * 1024  # shared memory for the split merge's pipeline stages
+_MERGE_STAGES = 4  # heads in flight while merging the attention's splits
+_MERGE_STAGES_BYTES = 96 * 1024  # their shared memory
 
 
 # What the GEMV multiplies W by: x itself, silu(gate) * up of a gated MLP's (M, 2K)
@@ -56,7 +63,8 @@ def _gemv_kernel(
     residual_ptr,
     norm_weight_ptr,
     residual_out_ptr,
-    lse_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     w_address,
     num_rows,
     N,
@@ -67,6 +75,7 @@ def _gemv_kernel(
     stride_ym,
     stride_rm,
     stride_rom,
+    stride_pm,
     stride_lm,
     eps,
     INPUT: tl.constexpr,
@@ -78,9 +87,10 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     K_CHUNKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEAD_CHUNK: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
@@ -92,7 +102,14 @@ def _gemv_kernel(
     slice order (so the result does not depend on which one that is).
 
     With PREFETCH (PDL), the program's slice of W is requested into L2 before the wait
-    for the previous kernel, which the weights never depend on."""
+    for the previous kernel, which the weights never depend on.
+
+    MERGE_SPLITS first writes the program's slice of x, merged from the attention's
+    splits, to its own rows of x (a scratch of `tiles * num_rows` rows: every tile
+    merges the same columns), then reads them as plain rows. Merged inside the loop
+    instead, the operand would be computed in registers, which costs each K step a store
+    to shared memory and a wait for the tensor cores (measured slower than the
+    separate merge kernel), where plain rows are copied straight to shared memory."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +125,16 @@ def _gemv_kernel(
         )
     wait_for_previous_grid(USE_PDL)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    x_col = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    x_row = m.to(tl.int64)
+    if INPUT == MERGE_SPLITS:
+        x_row += pid_n * num_rows
+        _merge_slice(
+            x_ptr + pid_n * num_rows * stride_xm, part_out_ptr, part_lse_ptr,
+            stride_xm, stride_pm, stride_lm, k_begin, k_end, num_rows,
+            HEAD_DIM, HEAD_DIM_P2, NUM_SPLITS, ROWS, MERGE_STAGES,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's columns are written before any is read
+    x_col = x_ptr + x_row[None, :] * stride_xm
     r_col = residual_ptr + m.to(tl.int64)[None, :] * stride_rm
     if INPUT == RMS_NORM:
         rstd = _rows_rstd(x_col, r_col, m_ok, K, eps, HAS_RESIDUAL, BLOCK_K, BLOCK_M, K_CHUNKS)
@@ -120,18 +146,13 @@ def _gemv_kernel(
         tile_ok = k_ok[:, None] & m_ok[None, :]
         if INPUT == SILU_AND_MUL:
             xt = _silu_and_mul_tile(x_col, kk, K, tile_ok)
-        elif INPUT == MERGE_SPLITS:
-            xt = _merged_tile(
-                x_ptr, lse_ptr, stride_xm, stride_lm, start, k_end, num_rows, w_ptr,
-                HEAD_DIM, HEAD_CHUNK, NUM_SPLITS, ROWS, BLOCK_K, BLOCK_M,
-            )  # fmt: skip
         elif INPUT == RMS_NORM:
             total = _residual_sum(x_col, r_col, kk, tile_ok, HAS_RESIDUAL)
             if HAS_RESIDUAL and pid_n == 0:  # one tile column writes the new residual stream
                 out = residual_out_ptr + m.to(tl.int64)[None, :] * stride_rom + kk[:, None]
                 tl.store(out, total, mask=tile_ok)
             xt = _normed_tile(total, x_ptr, norm_weight_ptr, kk, m, tile_ok, rstd)
-        else:
+        else:  # PLAIN, MERGE_SPLITS
             xt = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     if SPLIT_K == 1:
@@ -182,44 +203,37 @@ def _silu_and_mul_tile(x_col, kk, K, tile_ok):
 
 
 @triton.jit
-def _merged_tile(
+def _merge_slice(
     x_ptr,
+    out_ptr,
     lse_ptr,
     stride_xm,
+    stride_om,
     stride_lm,
-    start,
+    k_begin,
     k_end,
     num_rows,
-    like_ptr,
     HEAD_DIM: tl.constexpr,
-    HEAD_CHUNK: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """(BLOCK_K, BLOCK_M) of the attention output's columns from `start` (below k_end),
-    merged from its splits in the dtype `like_ptr` points to, as the merge kernel rounds
-    it; x_ptr is the (M, H, NUM_SPLITS, HEAD_DIM) partial outputs, lse_ptr their (M, H,
-    NUM_SPLITS) log-sum-exps.
-
-    The chunk holds BLOCK_K // HEAD_CHUNK heads' HEAD_CHUNK columns each (HEAD_DIM and
-    BLOCK_K powers of two), so each split's lse is loaded once per head and row. The
-    pipeline keeps a stage's loads in shared memory, NUM_SPLITS partials per element:
-    only ROWS (>= num_rows) rows are loaded, then repeated across the tile's BLOCK_M
-    columns (column m holds row m % ROWS; those past num_rows are never stored)."""
-    head = start // HEAD_DIM + tl.arange(0, BLOCK_K // HEAD_CHUNK)[:, None, None]
-    first = head * HEAD_DIM + start % HEAD_DIM  # the head's first column in the chunk
-    dim = start % HEAD_DIM + tl.arange(0, HEAD_CHUNK)[None, :, None]
-    row = tl.arange(0, ROWS)[None, None, :]
-    lse_ok = (first < k_end) & (row < num_rows)
-    out_ok = (head * HEAD_DIM + dim < k_end) & (row < num_rows)
-    out = x_ptr + row.to(tl.int64) * stride_xm + head * (NUM_SPLITS * HEAD_DIM) + dim
-    lse = lse_ptr + row.to(tl.int64) * stride_lm + head * NUM_SPLITS
-    merged = merge_splits(out, out_ok, lse, lse_ok, HEAD_DIM, NUM_SPLITS)
-    rows = tl.reshape(merged.to(like_ptr.dtype.element_ty), (BLOCK_K, ROWS))
-    repeated = tl.broadcast_to(rows[:, None, :], (BLOCK_K, BLOCK_M // ROWS, ROWS))
-    return tl.reshape(repeated, (BLOCK_K, BLOCK_M))
+    """Columns [k_begin, k_end) of the attention's output, rows < num_rows (ROWS, a power
+    of two, at a time), merged from its splits into x in x's dtype, as the merge kernel
+    rounds them: out_ptr is the (M, H, NUM_SPLITS, HEAD_DIM) partial outputs, lse_ptr
+    their (M, H, NUM_SPLITS) log-sum-exps. A head at a time, STAGES heads' loads in
+    flight."""
+    dim = tl.arange(0, HEAD_DIM_P2)[:, None]
+    row = tl.arange(0, ROWS)[None, :]
+    row_ok = row < num_rows
+    for head in tl.range(k_begin // HEAD_DIM, tl.cdiv(k_end, HEAD_DIM), num_stages=STAGES):
+        col = head * HEAD_DIM + dim
+        ok = (dim < HEAD_DIM) & (col >= k_begin) & (col < k_end) & row_ok
+        out = out_ptr + row.to(tl.int64) * stride_om + head * (NUM_SPLITS * HEAD_DIM) + dim
+        lse = lse_ptr + row.to(tl.int64) * stride_lm + head * NUM_SPLITS
+        merged = merge_splits(out, ok, lse, row_ok, HEAD_DIM, NUM_SPLITS)
+        tl.store(x_ptr + row * stride_xm + col, merged.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -321,13 +335,12 @@ def gemv_config(n: int, k: int, itemsize: int, num_sms: int) -> GemvConfig:
     return GemvConfig(_BLOCK_N, block_k, split_k, num_stages=_NUM_STAGES)
 
 
-def merge_pipeline_stages(config: GemvConfig, itemsize: int, num_splits: int, rows: int) -> int:
-    """Pipeline stages of the GEMV merging `num_splits` splits of `rows` (a power of two)
-    rows: each stage holds a W tile and every split's partials of its chunk, so where
-    the tiling's stages would overflow sm90's shared memory it keeps fewer (down to 2: at
-    most 16 splits of 16 rows fit one). Stages change the speed only, never the result."""
-    stage = config.block_n * config.block_k * itemsize + num_splits * rows * config.block_k * 4
-    return max(2, min(config.num_stages, 1 + _MERGE_STAGES_BYTES // stage))
+def merge_pipeline_stages(num_splits: int, head_dim: int, rows: int) -> int:
+    """Heads in flight while a MERGE_SPLITS program merges its columns: each holds its
+    `num_splits` partial rows of `rows` (a power of two) rows in shared memory, so fewer
+    where they are many (2 at least). Stages change the speed only, never the result."""
+    head = num_splits * rows * (triton.next_power_of_2(head_dim) + 1) * 4
+    return max(2, min(_MERGE_STAGES, _MERGE_STAGES_BYTES // head))
 
 
 def _check_operands(
@@ -423,8 +436,8 @@ def merge_splits_linear_small_batch(
     """`linear_small_batch(merged, weight, bias)` in one kernel, to the same bits, where
     `merged` (M, H * D) in W's dtype is what the decode attention's merge kernel makes of
     its splits: part_out (M, H, S, D) and part_lse (M, H, S), fp32 and contiguous
-    (extkv.kernels.paged_attention.AttentionSplits). Each program merges only the columns
-    it multiplies."""
+    (extkv.attention.AttentionSplits). Each program merges only the columns it
+    multiplies, before its loop over them."""
     if part_out.dim() != 4 or part_lse.shape != part_out.shape[:3]:
         raise ValueError(
             f"part_out must be (M, H, S, D) and part_lse (M, H, S), got "
@@ -455,8 +468,8 @@ def _launch(
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run `_gemv_kernel` for checked operands, y in W's dtype; `norm` is (residual,
-    weight, eps, residual_out) for RMS_NORM, `lse` the (M, H, S) log-sum-exps of the
-    (M, H, S, D) partial outputs x for MERGE_SPLITS."""
+    weight, eps, residual_out) for RMS_NORM; for MERGE_SPLITS x is the attention's
+    (M, H, S, D) partial outputs and `lse` their (M, H, S) log-sum-exps."""
     num_rows = x.shape[0]
     n, k = weight.shape
     y = torch.empty(num_rows, n, dtype=weight.dtype, device=x.device)
@@ -475,8 +488,13 @@ def _launch(
         arrivals = arrival_counters("linear_small_batch", x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     rows = triton.next_power_of_2(num_rows)
-    if lse is not None:
-        merge_stages = merge_pipeline_stages(config, weight.element_size(), lse.shape[-1], rows)
+    part_out = part_lse = y  # never read but for MERGE_SPLITS
+    head_dim = num_splits = merge_stages = 1
+    if input_kind == MERGE_SPLITS:  # x holds the partial outputs; each tile merges into rows
+        part_out, part_lse = x, lse  # of its own
+        _, _, num_splits, head_dim = part_out.shape
+        merge_stages = merge_pipeline_stages(num_splits, head_dim, rows)
+        x = torch.empty(tiles * num_rows, k, dtype=weight.dtype, device=x.device)
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, x)
     launch = pdl_launch(x.device)
     # Prefetch only for grids of one wave: a later wave's programs start when an earlier
@@ -492,7 +510,8 @@ def _launch(
         x if residual is None else residual,  # never read without HAS_RESIDUAL
         norm_weight,
         residual_out,
-        x if lse is None else lse,  # never read but for MERGE_SPLITS
+        part_out,
+        part_lse,
         weight.data_ptr(),
         num_rows,
         n,
@@ -503,7 +522,8 @@ def _launch(
         y.stride(0),
         0 if residual is None else residual.stride(0),
         residual_out.stride(0),
-        0 if lse is None else lse.stride(0),
+        part_out.stride(0),
+        part_lse.stride(0),
         eps,
         INPUT=input_kind,
         HAS_RESIDUAL=residual is not None,
@@ -513,15 +533,16 @@ def _launch(
         BLOCK_M=MAX_ROWS,
         SPLIT_K=config.split_k,
         K_CHUNKS=triton.cdiv(k, config.block_k) if input_kind == RMS_NORM else 1,
-        HEAD_DIM=1 if lse is None else x.shape[-1],
-        HEAD_CHUNK=1 if lse is None else min(x.shape[-1], config.block_k),
-        NUM_SPLITS=1 if lse is None else lse.shape[-1],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        NUM_SPLITS=num_splits,
         ROWS=rows,
+        MERGE_STAGES=merge_stages,
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch,
         LINE_ELEMENTS=min(config.block_k, 128 // weight.element_size()),
         num_warps=config.num_warps,
-        num_stages=config.num_stages if lse is None else merge_stages,
+        num_stages=config.num_stages,
         **launch,
     )
     return y
