@@ -1,10 +1,8 @@
 """The decode GEMV's memory bandwidth on each linear of Qwen3-0.6B and SmolLM2-135M,
 against cuBLAS (F.linear), and (--sweep) the best tiling found by trying many.
 `fused` is the GEMV with the step's fused input (RMSNorm + residual add before the
-QKV and gate/up projections, the decode attention's split merge before the o
-projection, SiLU*mul before the down projection) against `apart`, the same two ops as
-separate kernels. The merge takes as many splits as the engine's attention makes for
-the batch (`decode_splits` at a 4096-token block table).
+QKV and gate/up projections, SiLU*mul before the down projection) against `apart`,
+the same two ops as separate kernels; the o projection has none.
 
     python benchmarks/bench_gemv.py [--rows 1 16] [--sweep] [--json OUT]
 
@@ -28,26 +26,22 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from _common import device_bandwidth
-from extkv.attention.splits import AttentionSplits
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.gemv import (
     GemvConfig,
     gemv_config,
     linear_small_batch,
-    merge_splits_linear_small_batch,
     rms_norm_linear_small_batch,
     silu_and_mul_linear_small_batch,
 )
 from extkv.kernels.norm import rms_norm
-from extkv.kernels.paged_attention import decode_splits, merge_attention_splits
 
 logger = logging.getLogger("bench_gemv")
 
 # (name, K, N): the decode linears (QKV and gate/up merged); the step fuses an RMSNorm
-# into those that read the residual stream, the attention's split merge into the o
-# projections and SiLU*mul into the down projections.
+# into those that read the residual stream and SiLU*mul into the down projections.
 NORMED = ("qkv", "gate_up")
-ATTENTION_HEADS = {"qwen3": (16, 8, 128), "smollm2": (9, 3, 64)}  # q heads, KV heads, dim
+GATED = ("down",)
 SHAPES = (
     ("qwen3 qkv", 1024, 4096),
     ("qwen3 o", 2048, 1024),
@@ -113,7 +107,8 @@ def bench_shape(name: str, k: int, n: int, rows: int, sweep: bool, copy_gbs: flo
         "config": str(default),
     }
     row["cublas"] = figures(graph_time_us(lambda i: F.linear(x, weights[i]), copies))
-    row["fused"], row["apart"] = fused_and_apart(name, x, weights, copies, figures)
+    if name.split()[-1] in NORMED + GATED:
+        row["fused"], row["apart"] = fused_and_apart(name, x, weights, copies, figures)
     if sweep:
         timings = []
         for config in candidate_configs(n, k):
@@ -132,22 +127,10 @@ def bench_shape(name: str, k: int, n: int, rows: int, sweep: bool, copy_gbs: flo
 
 
 def fused_and_apart(name: str, x: torch.Tensor, weights: list, copies: int, figures) -> tuple:
-    """The shape's fused GEMV and its two separate kernels, timed alike."""
+    """The shape's fused GEMV and its two separate kernels, timed alike (the norm before
+    NORMED linears, SiLU*mul before the others)."""
     rows, k = x.shape
-    model, linear = name.split()
-    if linear == "o":
-        num_heads, num_kv_heads, head_dim = ATTENTION_HEADS[model]
-        splits = decode_splits(rows, num_kv_heads, 4096, x.device)
-        part_out = torch.randn(rows, num_heads, splits, head_dim, device=x.device)
-        part_lse = torch.randn(rows, num_heads, splits, device=x.device)
-
-        def fused(i):
-            return merge_splits_linear_small_batch(part_out, part_lse, weights[i])
-
-        def apart(i):
-            merged = merge_attention_splits(AttentionSplits(part_out, part_lse, x.dtype))
-            return linear_small_batch(merged.flatten(1), weights[i])
-    elif linear in NORMED:
+    if name.split()[-1] in NORMED:
         residual = torch.randn_like(x)
         norm_weight = torch.rand(k, device=x.device, dtype=x.dtype) + 0.5
 

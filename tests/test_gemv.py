@@ -1,6 +1,5 @@
 """The small-batch GEMV (extkv.kernels.gemv) against F.linear in fp32, its batch
-invariance, its fused inputs against the separate kernels, CUDA-graph replay, and the
-`ops` dispatch.
+invariance, CUDA-graph replay, and the `ops.linear` dispatch.
 
 As in test_fused_kernels, the CPU checks run this file as a script under the
 Triton interpreter (`TRITON_INTERPRET=1`, in a subprocess); the GPU tests run
@@ -20,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extkv.attention import AttentionMetadata, AttentionSplits
 from extkv.kernels import arrivals, pdl
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.gemv import (
@@ -28,12 +26,10 @@ from extkv.kernels.gemv import (
     GemvConfig,
     gemv_config,
     linear_small_batch,
-    merge_splits_linear_small_batch,
     rms_norm_linear_small_batch,
     silu_and_mul_linear_small_batch,
 )
 from extkv.kernels.norm import rms_norm
-from extkv.kernels.paged_attention import paged_attention
 from extkv.kernels.pdl import pdl_launch
 from extkv.models import ops
 from helpers import interpreter_rounds_bf16_to_nearest
@@ -159,79 +155,6 @@ def check_normed(
     assert torch.equal(y, everything[:num_rows])
 
 
-def random_splits(
-    num_rows: int, num_heads: int, num_splits: int, head_dim: int, device: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode attention's (M, H, S, D) partial outputs and (M, H, S) lse as its kernel
-    leaves them: split 1 of head 0 saw no key (lse -inf, output 0), nor did any split of
-    row 0's last head."""
-    part_out = torch.randn(num_rows, num_heads, num_splits, head_dim, device=device)
-    part_lse = torch.randn(num_rows, num_heads, num_splits, device=device) * 8
-    for index in ((slice(None), 0, 1), (0, -1)):
-        part_lse[index], part_out[index] = float("-inf"), 0.0
-    return part_out, part_lse
-
-
-def merged_reference(part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
-    """(M, H * D) fp32: each split weighted by its softmax mass, 0 where none has any."""
-    peak = part_lse.amax(-1, keepdim=True)
-    weight = torch.exp2(part_lse - torch.where(peak == float("-inf"), 0.0, peak))
-    total = weight.sum(-1, keepdim=True)
-    merged = (weight[..., None] * part_out).sum(-2) / torch.where(total > 0, total, 1.0)
-    return merged.flatten(1)
-
-
-def check_merged(
-    num_rows: int,
-    num_heads: int,
-    num_splits: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str,
-    config: GemvConfig | None = None,
-) -> None:
-    """The decode attention's split merge fused into the GEMV's input: the bits of the
-    merge kernel then the GEMV, for each row whatever the rows around it; the merge
-    kernel's values are the softmax-weighted mean of the splits."""
-    part_out, part_lse = random_splits(MAX_ROWS, num_heads, num_splits, head_dim, device)
-    weight = (torch.randn(77, num_heads * head_dim, device=device) * 0.1).to(dtype)
-    bias = torch.randn(77, dtype=dtype, device=device)
-    splits = AttentionSplits(part_out[:num_rows], part_lse[:num_rows], dtype)
-    fused = merge_splits_linear_small_batch(splits.out, splits.lse, weight, bias, config)
-    merged = splits.merged()
-    assert merged.dtype == dtype
-    assert torch.equal(fused, linear_small_batch(merged, weight, bias, config))
-    expected = merged_reference(splits.out, splits.lse)
-    torch.testing.assert_close(merged.float(), expected, **TOLERANCES[dtype])
-    everything = merge_splits_linear_small_batch(part_out, part_lse, weight, bias, config)
-    assert torch.equal(fused, everything[:num_rows])
-
-
-def check_attention_merged(num_splits: int, dtype: torch.dtype, device: str) -> None:
-    """From the attention kernel itself: its unmerged splits (`merge=False`) through the
-    merging GEMV give the bits of its merged output through the GEMV."""
-    num_seqs, num_kv_heads, group, head_dim, block_size, width = 3, 2, 2, 32, 16, 6
-    context_lens = torch.tensor([1, 40, 96], dtype=torch.int32, device=device)
-    cache = torch.randn(2, num_seqs * width, block_size, num_kv_heads, head_dim, device=device)
-    metadata = AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=torch.full((num_seqs,), -1, device=device),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        context_lens=context_lens,
-        block_tables=torch.randperm(num_seqs * width, device=device).int().view(num_seqs, -1),
-        max_seqlen_q=1,
-        max_context_len=96,
-    )
-    query = torch.randn(num_seqs, group * num_kv_heads, head_dim, device=device)
-    attend = partial(paged_attention, query.to(dtype), *cache.to(dtype), metadata, 0.2)
-    splits = attend(num_splits=num_splits, merge=False)
-    assert isinstance(splits, AttentionSplits) and splits.out.shape[2] == num_splits
-    weight = (torch.randn(40, group * num_kv_heads * head_dim, device=device) * 0.1).to(dtype)
-    fused = merge_splits_linear_small_batch(splits.out, splits.lse, weight)
-    merged = attend(num_splits=num_splits).flatten(1)
-    assert torch.equal(fused, linear_small_batch(merged, weight))
-
-
 def test_pdl_is_for_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off CUDA (the interpreter's CPU tensors) kernels launch serially, with no PDL option,
     whatever EXTKV_PDL says; a value other than 0 or 1 is refused."""
@@ -281,17 +204,6 @@ def test_bad_inputs_are_refused() -> None:
         rms_norm_linear_small_batch(x, torch.randn(3, 8), norm_weight, 1e-6, weight)
     with pytest.raises(ValueError, match="norm_weight must be a contiguous \\(8,\\), got \\(4,\\)"):
         rms_norm_linear_small_batch(x, None, torch.ones(4), 1e-6, weight)
-    part_out, part_lse = torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4)
-    with pytest.raises(ValueError, match="part_out must be \\(M, H, S, D\\) and part_lse"):
-        merge_splits_linear_small_batch(part_out, part_lse[:, :, :3], weight)
-    with pytest.raises(ValueError, match=r"float32, got torch\.float32 and torch\.bfloat16"):
-        merge_splits_linear_small_batch(part_out, part_lse.bfloat16(), weight)
-    with pytest.raises(ValueError, match="part_out and part_lse must be contiguous"):
-        merge_splits_linear_small_batch(torch.randn(2, 2, 4, 8)[..., ::2], part_lse, weight)
-    with pytest.raises(ValueError, match="weight must be \\(N, H \\* D = 8\\), got \\(4, 7\\)"):
-        merge_splits_linear_small_batch(part_out, part_lse, torch.randn(4, 7))
-    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
-        merge_splits_linear_small_batch(torch.randn(17, 2, 4, 4), torch.randn(17, 2, 4), weight)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -340,26 +252,6 @@ def interpreter_checks() -> list[Callable[[], None]]:
                 (torch.bfloat16, None),
             )
             for config in (None, SPLITS[1])
-        ),
-        # The split merge: every row count at 16 splits of 4 heads a chunk (block_k 128,
-        # head_dim 32); 2 and 4 splits of a head over 2 chunks (block_k 32, head_dim 64),
-        # in 2 or 3 slices of K, one of them ending inside a head; fp32 and bf16.
-        *(
-            partial(check_merged, num_rows, 4, 16, 32, dtype, "cpu")
-            for num_rows in range(1, MAX_ROWS + 1)
-            for dtype in (torch.float32, torch.bfloat16)
-        ),
-        *(
-            partial(check_merged, num_rows, 3, splits, 64, dtype, "cpu", config)
-            for num_rows in (1, 5)
-            for splits in (2, 4)
-            for dtype in (torch.float32, torch.bfloat16)
-            for config in SPLITS
-        ),
-        *(
-            partial(check_attention_merged, splits, dtype, "cpu")
-            for splits in (2, 4)
-            for dtype in (torch.float32, torch.bfloat16)
         ),
     ]
 
@@ -439,36 +331,6 @@ def test_fused_inputs_gpu(k: int, n: int, num_rows: int) -> None:
     check_gated(num_rows, k, n, torch.bfloat16, "cuda")
     for residual_dtype in (torch.bfloat16, torch.float32, None):
         check_normed(num_rows, k, n, torch.bfloat16, residual_dtype, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize(
-    ("num_heads", "head_dim"), [(16, 128), (9, 64)], ids=["qwen3-0.6b", "smollm2-135m"]
-)
-def test_merged_input_gpu(num_heads: int, head_dim: int, num_rows: int) -> None:
-    """The split merge fused into the compiled GEMV, at the split counts decode makes
-    for 1 to 16 rows (16 to 4) and beyond, in bf16 and fp16; and from the attention."""
-    for splits in (2, 4, 8, 16):
-        for dtype in (torch.bfloat16, torch.float16):
-            check_merged(num_rows, num_heads, splits, head_dim, dtype, "cuda")
-    check_attention_merged(8, torch.bfloat16, "cuda")
-
-
-@pytest.mark.gpu
-def test_merge_splits_dispatch_gpu() -> None:
-    """ops.merge_splits_linear merges in the GEMV for up to GEMV_MAX_ROWS low-precision
-    rows and with the merge kernel before F.linear otherwise (fp32, more rows): the
-    bits of merging first, every way."""
-    part_out, part_lse = random_splits(ops.GEMV_MAX_ROWS + 1, 8, 4, 64, "cuda")
-    weight = torch.randn(256, 8 * 64, device="cuda") * 0.1
-    for dtype, num_rows in ((torch.bfloat16, 1), (torch.bfloat16, 16), (torch.bfloat16, 17)):
-        splits = AttentionSplits(part_out[:num_rows], part_lse[:num_rows], dtype)
-        expected = ops.linear(splits.merged(), weight.to(dtype))
-        assert torch.equal(ops.merge_splits_linear(splits, weight.to(dtype)), expected)
-    splits = AttentionSplits(part_out[:2], part_lse[:2], torch.float32)
-    expected = F.linear(splits.merged(), weight)
-    assert torch.equal(ops.merge_splits_linear(splits, weight), expected)
 
 
 @pytest.mark.gpu

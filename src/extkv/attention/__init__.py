@@ -9,12 +9,10 @@ from extkv.attention.metadata import (
     set_forward_context,
 )
 from extkv.attention.mla import MLAAttention
-from extkv.attention.splits import AttentionSplits
 
 __all__ = [
     "Attention",
     "AttentionMetadata",
-    "AttentionSplits",
     "ForwardContext",
     "MLAAttention",
     "MambaMetadata",

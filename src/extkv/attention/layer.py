@@ -9,7 +9,6 @@ from torch import nn
 
 from extkv.attention.metadata import get_forward_context
 from extkv.attention.ops import qk_norm_rope, rope_store_attention, varlen_attention
-from extkv.attention.splits import AttentionSplits
 
 
 class QKNorm(NamedTuple):
@@ -56,11 +55,9 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         qk_norm: QKNorm | None = None,
-    ) -> torch.Tensor | AttentionSplits:
+    ) -> torch.Tensor:
         """qkv (T, (num_heads + 2 num_kv_heads) * head_dim), positions (T,), the rotary
-        table (max_position, rotary_dim) -> (T, num_heads * head_dim); on CUDA, a decode
-        that ran in several splits returns them unmerged (`AttentionSplits`, whose
-        `merged()` is that output): the output projection merges them."""
+        table (max_position, rotary_dim) -> (T, num_heads * head_dim)."""
         metadata = get_forward_context().attention
         q_weight, k_weight, eps = qk_norm or (None, None, 0.0)
         prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
@@ -72,6 +69,4 @@ class Attention(nn.Module):
             out = rope_store_attention(
                 *prepare, q_weight, k_weight, eps, *cache, metadata, self.scale, self.sliding_window
             )
-        if isinstance(out, AttentionSplits):
-            return out
         return out.view(-1, self.num_heads * self.head_dim)

@@ -16,7 +16,6 @@ from extkv.attention.reference import (
     store_rows,
     varlen_attention_reference,
 )
-from extkv.attention.splits import AttentionSplits
 
 
 def qk_norm_rope(
@@ -53,24 +52,19 @@ def rope_store_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor | AttentionSplits:
+) -> torch.Tensor:
     """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
-    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores,
-    and a decode that ran in several splits returns them unmerged, for the output
-    projection to merge (extkv.models.ops.merge_splits_linear). On the CPU the new K/V
-    rows also go to the attention as computed, so a prefill reads back from the cache
-    only the prefixes it continues (a whole prompt: nothing)."""
+    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores.
+    On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
+    back from the cache only the prefixes it continues (a whole prompt: nothing)."""
     prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
     if qkv.is_cuda:
-        from extkv.kernels.paged_attention import paged_attention as paged_attention_triton
         from extkv.kernels.rotary import qk_norm_rope_store
 
         q = qk_norm_rope_store(
             *prepare, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, metadata.slot_mapping
         )
-        return paged_attention_triton(
-            q, k_cache, v_cache, metadata, scale, sliding_window=sliding_window, merge=False
-        )
+        return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
     q, k, v = qk_norm_rope(*prepare, q_norm_weight, k_norm_weight, eps)
     store_kv_reference(k, v, k_cache, v_cache, metadata.slot_mapping)
     return paged_attention_reference(

@@ -11,12 +11,6 @@ arithmetic never limits a memory-bound loop. Weights too narrow to give every
 SM work (N=1024 at batch 1) split K over several programs per tile; the last
 to finish adds the partial sums in a fixed order, so results are bit-identical
 for the same inputs whichever program that is.
-
-The op before a projection can run in its input, to the same bits as the two kernels
-(one kernel fewer per decode step's layer): RMSNorm (with the residual add) and
-SiLU*mul are computed on each chunk of x as it is multiplied; the decode attention's
-split merge is computed first, each program merging the columns it multiplies into
-rows of its own, which the loop then reads as plain rows (see `_gemv_kernel`).
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import triton.language as tl
 from extkv.kernels.activation import silu_times
 from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.norm import weighted_rms
-from extkv.kernels.paged_attention import merge_splits
 from extkv.kernels.pdl import pdl_launch, prefetch_to_l2, wait_for_previous_grid
 
 MAX_ROWS = 16  # x's rows are padded to this: tl.dot's smallest dimension
@@ -41,15 +34,11 @@ _NUM_STAGES = 6
 _MAX_SPLIT = 8  # slices of K per tile at most
 _MIN_SLICE_STAGES = 3  # and each slice at least this many stages long
 _INTERPRETED_SMS = 132  # the H200's, for block choices under the Triton interpreter (CPU)
-_MERGE_STAGES = 4  # heads in flight while merging the attention's splits
-_MERGE_STAGES_BYTES = 96 * 1024  # their shared memory
 
 
 # What the GEMV multiplies W by: x itself, silu(gate) * up of a gated MLP's (M, 2K)
-# gate_up (the activation kernel fused in), RMSNorm(x + residual) (the norm fused in), or
-# the decode attention's output merged from its splits (the merge kernel fused in).
+# gate_up (the activation kernel fused in), or RMSNorm(x + residual) (the norm fused in).
 PLAIN, SILU_AND_MUL, RMS_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-MERGE_SPLITS = tl.constexpr(3)
 
 
 @triton.jit
@@ -63,8 +52,6 @@ def _gemv_kernel(
     residual_ptr,
     norm_weight_ptr,
     residual_out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
     w_address,
     num_rows,
     N,
@@ -75,8 +62,6 @@ def _gemv_kernel(
     stride_ym,
     stride_rm,
     stride_rom,
-    stride_pm,
-    stride_lm,
     eps,
     INPUT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -86,11 +71,6 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_CHUNKS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    MERGE_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
@@ -102,14 +82,7 @@ def _gemv_kernel(
     slice order (so the result does not depend on which one that is).
 
     With PREFETCH (PDL), the program's slice of W is requested into L2 before the wait
-    for the previous kernel, which the weights never depend on.
-
-    MERGE_SPLITS first writes the program's slice of x, merged from the attention's
-    splits, to its own rows of x (a scratch of `tiles * num_rows` rows: every tile
-    merges the same columns), then reads them as plain rows. Merged inside the loop
-    instead, the operand would be computed in registers, which costs each K step a store
-    to shared memory and a wait for the tensor cores (measured slower than the
-    separate merge kernel), where plain rows are copied straight to shared memory."""
+    for the previous kernel, which the weights never depend on."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,16 +98,7 @@ def _gemv_kernel(
         )
     wait_for_previous_grid(USE_PDL)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    x_row = m.to(tl.int64)
-    if INPUT == MERGE_SPLITS:
-        x_row += pid_n * num_rows
-        _merge_slice(
-            x_ptr + pid_n * num_rows * stride_xm, part_out_ptr, part_lse_ptr,
-            stride_xm, stride_pm, stride_lm, k_begin, k_end, num_rows,
-            HEAD_DIM, HEAD_DIM_P2, NUM_SPLITS, ROWS, MERGE_STAGES,
-        )  # fmt: skip
-        tl.debug_barrier()  # every thread's columns are written before any is read
-    x_col = x_ptr + x_row[None, :] * stride_xm
+    x_col = x_ptr + m.to(tl.int64)[None, :] * stride_xm
     r_col = residual_ptr + m.to(tl.int64)[None, :] * stride_rm
     if INPUT == RMS_NORM:
         rstd = _rows_rstd(x_col, r_col, m_ok, K, eps, HAS_RESIDUAL, BLOCK_K, BLOCK_M, K_CHUNKS)
@@ -152,7 +116,7 @@ def _gemv_kernel(
                 out = residual_out_ptr + m.to(tl.int64)[None, :] * stride_rom + kk[:, None]
                 tl.store(out, total, mask=tile_ok)
             xt = _normed_tile(total, x_ptr, norm_weight_ptr, kk, m, tile_ok, rstd)
-        else:  # PLAIN, MERGE_SPLITS
+        else:
             xt = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     if SPLIT_K == 1:
@@ -200,40 +164,6 @@ def _silu_and_mul_tile(x_col, kk, K, tile_ok):
     gate = tl.load(x_col + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
     up = tl.load(x_col + K + kk[:, None], mask=tile_ok, other=0.0).to(tl.float32)
     return silu_times(gate, up, x_col)
-
-
-@triton.jit
-def _merge_slice(
-    x_ptr,
-    out_ptr,
-    lse_ptr,
-    stride_xm,
-    stride_om,
-    stride_lm,
-    k_begin,
-    k_end,
-    num_rows,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """Columns [k_begin, k_end) of the attention's output, rows < num_rows (ROWS, a power
-    of two, at a time), merged from its splits into x in x's dtype, as the merge kernel
-    rounds them: out_ptr is the (M, H, NUM_SPLITS, HEAD_DIM) partial outputs, lse_ptr
-    their (M, H, NUM_SPLITS) log-sum-exps. A head at a time, STAGES heads' loads in
-    flight."""
-    dim = tl.arange(0, HEAD_DIM_P2)[:, None]
-    row = tl.arange(0, ROWS)[None, :]
-    row_ok = row < num_rows
-    for head in tl.range(k_begin // HEAD_DIM, tl.cdiv(k_end, HEAD_DIM), num_stages=STAGES):
-        col = head * HEAD_DIM + dim
-        ok = (dim < HEAD_DIM) & (col >= k_begin) & (col < k_end) & row_ok
-        out = out_ptr + row.to(tl.int64) * stride_om + head * (NUM_SPLITS * HEAD_DIM) + dim
-        lse = lse_ptr + row.to(tl.int64) * stride_lm + head * NUM_SPLITS
-        merged = merge_splits(out, ok, lse, row_ok, HEAD_DIM, NUM_SPLITS)
-        tl.store(x_ptr + row * stride_xm + col, merged.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -335,23 +265,10 @@ def gemv_config(n: int, k: int, itemsize: int, num_sms: int) -> GemvConfig:
     return GemvConfig(_BLOCK_N, block_k, split_k, num_stages=_NUM_STAGES)
 
 
-def merge_pipeline_stages(num_splits: int, head_dim: int, rows: int) -> int:
-    """Heads in flight while a MERGE_SPLITS program merges its columns: each holds its
-    `num_splits` partial rows of `rows` (a power of two) rows in shared memory, so fewer
-    where they are many (2 at least). Stages change the speed only, never the result."""
-    head = num_splits * rows * (triton.next_power_of_2(head_dim) + 1) * 4
-    return max(2, min(_MERGE_STAGES, _MERGE_STAGES_BYTES // head))
-
-
 def _check_operands(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    k: int,
-    same_dtype: bool = True,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int
 ) -> None:
-    """The checks every entry point shares: x (M, ...) of at most MAX_ROWS rows, W (N, k),
-    of x's dtype unless not `same_dtype`."""
+    """The checks every entry point shares: x (M, ...) of at most MAX_ROWS rows, W (N, k)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(
             f"the small-batch GEMV needs x (M, K) and weight (N, K), got {tuple(x.shape)} "
@@ -363,7 +280,7 @@ def _check_operands(
         raise ValueError(
             "the small-batch GEMV needs x and weight with contiguous rows (stride(1) == 1)"
         )
-    if same_dtype and weight.dtype != x.dtype:
+    if weight.dtype != x.dtype:
         raise ValueError(f"weight's dtype {weight.dtype} must be x's ({x.dtype})")
     n = weight.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
@@ -426,38 +343,6 @@ def rms_norm_linear_small_batch(
     return _launch(x, weight, bias, config, RMS_NORM, norm), residual_out
 
 
-def merge_splits_linear_small_batch(
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
-) -> torch.Tensor:
-    """`linear_small_batch(merged, weight, bias)` in one kernel, to the same bits, where
-    `merged` (M, H * D) in W's dtype is what the decode attention's merge kernel makes of
-    its splits: part_out (M, H, S, D) and part_lse (M, H, S), fp32 and contiguous
-    (extkv.attention.AttentionSplits). Each program merges only the columns it
-    multiplies, before its loop over them."""
-    if part_out.dim() != 4 or part_lse.shape != part_out.shape[:3]:
-        raise ValueError(
-            f"part_out must be (M, H, S, D) and part_lse (M, H, S), got "
-            f"{tuple(part_out.shape)} and {tuple(part_lse.shape)}"
-        )
-    if part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
-        raise ValueError(
-            f"part_out and part_lse must be float32, got {part_out.dtype} and {part_lse.dtype}"
-        )
-    if not (part_out.is_contiguous() and part_lse.is_contiguous()):
-        raise ValueError("part_out and part_lse must be contiguous")
-    num_heads, head_dim = part_out.shape[1], part_out.shape[3]
-    if weight.dim() != 2 or weight.shape[1] != num_heads * head_dim:
-        raise ValueError(
-            f"weight must be (N, H * D = {num_heads * head_dim}), got {tuple(weight.shape)}"
-        )
-    _check_operands(part_out.flatten(1), weight, bias, num_heads * head_dim, same_dtype=False)
-    return _launch(part_out, weight, bias, config, MERGE_SPLITS, lse=part_lse)
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -465,18 +350,16 @@ def _launch(
     config: GemvConfig | None,
     input_kind: int,
     norm: tuple | None = None,
-    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run `_gemv_kernel` for checked operands, y in W's dtype; `norm` is (residual,
-    weight, eps, residual_out) for RMS_NORM; for MERGE_SPLITS x is the attention's
-    (M, H, S, D) partial outputs and `lse` their (M, H, S) log-sum-exps."""
+    """Run `_gemv_kernel` for checked operands; `norm` is (residual, weight, eps,
+    residual_out) for RMS_NORM."""
     num_rows = x.shape[0]
     n, k = weight.shape
-    y = torch.empty(num_rows, n, dtype=weight.dtype, device=x.device)
+    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if not (num_rows and n):
         return y
     num_sms = _num_sms(x.device)
-    config = config or gemv_config(n, k, weight.element_size(), num_sms)
+    config = config or gemv_config(n, k, x.element_size(), num_sms)
     tiles = triton.cdiv(n, config.block_n)
     partials = arrivals = y  # never touched without a split
     if config.split_k > 1:
@@ -487,14 +370,6 @@ def _launch(
         )
         arrivals = arrival_counters("linear_small_batch", x.device, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    rows = triton.next_power_of_2(num_rows)
-    part_out = part_lse = y  # never read but for MERGE_SPLITS
-    head_dim = num_splits = merge_stages = 1
-    if input_kind == MERGE_SPLITS:  # x holds the partial outputs; each tile merges into rows
-        part_out, part_lse = x, lse  # of its own
-        _, _, num_splits, head_dim = part_out.shape
-        merge_stages = merge_pipeline_stages(num_splits, head_dim, rows)
-        x = torch.empty(tiles * num_rows, k, dtype=weight.dtype, device=x.device)
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, x)
     launch = pdl_launch(x.device)
     # Prefetch only for grids of one wave: a later wave's programs start when an earlier
@@ -510,8 +385,6 @@ def _launch(
         x if residual is None else residual,  # never read without HAS_RESIDUAL
         norm_weight,
         residual_out,
-        part_out,
-        part_lse,
         weight.data_ptr(),
         num_rows,
         n,
@@ -522,8 +395,6 @@ def _launch(
         y.stride(0),
         0 if residual is None else residual.stride(0),
         residual_out.stride(0),
-        part_out.stride(0),
-        part_lse.stride(0),
         eps,
         INPUT=input_kind,
         HAS_RESIDUAL=residual is not None,
@@ -533,14 +404,9 @@ def _launch(
         BLOCK_M=MAX_ROWS,
         SPLIT_K=config.split_k,
         K_CHUNKS=triton.cdiv(k, config.block_k) if input_kind == RMS_NORM else 1,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=num_splits,
-        ROWS=rows,
-        MERGE_STAGES=merge_stages,
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch,
-        LINE_ELEMENTS=min(config.block_k, 128 // weight.element_size()),
+        LINE_ELEMENTS=min(config.block_k, 128 // x.element_size()),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from extkv.attention.metadata import AttentionMetadata
-from extkv.attention.splits import AttentionSplits
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 _LOG2E = math.log2(math.e)
@@ -202,29 +201,6 @@ def _attend_tile(
 
 
 @triton.jit
-def merge_splits(
-    out_ptrs, out_mask, lse_ptrs, lse_mask, SPLIT_STRIDE: tl.constexpr, NUM_SPLITS: tl.constexpr
-):
-    """The softmax-weighted mean of NUM_SPLITS partial outputs, split s's at `out_ptrs + s *
-    SPLIT_STRIDE` weighted by exp2 of its lse (at `lse_ptrs + s`, of a shape that
-    broadcasts to the outputs') less the largest; fp32, 0 where masked. The splits are
-    added one by one in order, so the merge kernel and the o-projection GEMV's input
-    (extkv.kernels.gemv), both computing it here, agree to the bit whatever their tiles."""
-    lse_max = tl.load(lse_ptrs, mask=lse_mask, other=float("-inf"))
-    for s in tl.static_range(1, NUM_SPLITS):
-        lse = tl.load(lse_ptrs + s, mask=lse_mask, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse)
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no split saw a key
-    total = tl.zeros(lse_max.shape, tl.float32)
-    acc = tl.zeros(out_ptrs.shape, tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        weight = tl.exp2(tl.load(lse_ptrs + s, mask=lse_mask, other=float("-inf")) - lse_ref)
-        total += weight
-        acc += weight * tl.load(out_ptrs + s * SPLIT_STRIDE, mask=out_mask, other=0.0)
-    return acc / tl.where(total > 0, total, 1.0)
-
-
-@triton.jit
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
@@ -242,12 +218,16 @@ def _merge_splits_kernel(
     wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    first = (token * num_q_heads + head) * NUM_SPLITS  # the (token, head)'s split 0
+    part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
-    out_ptrs = part_out_ptr + first * HEAD_DIM + dim
-    lse_ptrs = part_lse_ptr + first + 0 * dim
-    o = merge_splits(out_ptrs, dim_ok, lse_ptrs, dim_ok, HEAD_DIM, NUM_SPLITS)
+
+    lse = tl.load(part_lse_ptr + part)
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=dim_ok[None, :])
+    total = tl.sum(weight, 0)
+    o = tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + token * stride_ot + head * stride_oh + dim * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -342,16 +322,14 @@ def paged_attention(
     num_splits: int | None = None,
     tiles: Tiles | None = None,
     sliding_window: int | None = None,
-    merge: bool = True,
-) -> torch.Tensor | AttentionSplits:
+) -> torch.Tensor:
     """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides; with
     `sliding_window` W each query sees the keys of its last W positions only (the blocks
     before them are never read, so they may be freed).
 
     `out` (T, Hq, D) is written if given; `num_splits` (a power of two) overrides
     the decode split count and `tiles` the launch shape (benchmarks/bench_attention.py
-    sweeps both). Without `merge`, a decode that ran in several splits returns them
-    unmerged (and leaves `out` alone), for the output projection to merge.
+    sweeps both).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -412,31 +390,18 @@ def paged_attention(
         num_stages=tiles.num_stages,
         **pdl_launch(query.device),
     )
-    if splits == 1:
-        return out
-    unmerged = AttentionSplits(part_out, part_lse, query.dtype)
-    return merge_attention_splits(unmerged, out) if merge else unmerged
-
-
-def merge_attention_splits(
-    splits: AttentionSplits, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The decode attention's output (T, Hq, D) in `splits.dtype` (into `out` if given):
-    each split's output weighted by its share of the softmax mass."""
-    num_tokens, num_q_heads, num_splits, head_dim = splits.out.shape
-    if out is None:
-        out = splits.out.new_empty((num_tokens, num_q_heads, head_dim), dtype=splits.dtype)
-    _merge_splits_kernel[(num_tokens, num_q_heads)](
-        out,
-        splits.out,
-        splits.lse,
-        num_q_heads,
-        *out.stride(),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16),
-        NUM_SPLITS=num_splits,
-        **pdl_launch(out.device),
-    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            num_q_heads,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
+            NUM_SPLITS=splits,
+            **pdl_launch(query.device),
+        )
     return out
 
 

@@ -79,8 +79,7 @@ class DecoderAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden (T, hidden_size), positions (T,) -> (attention of `norm(hidden,
         residual)`, summed over the ranks; the residual stream): the norm runs fused
-        into the qkv projection where a decode step's GEMV runs, and a split decode
-        attention's merge into the output projection."""
+        into the qkv projection where a decode step's GEMV runs."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from extkv.attention.splits import AttentionSplits
 from extkv.models import reference
 
 # Up to this many rows (a decode step's batch) a CUDA linear streams its weight through
@@ -64,17 +63,13 @@ def gated_rms_norm(
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows go through the Triton GEMV: a decode step's few low-precision
     rows on CUDA (`GEMV_MAX_ROWS`)."""
-    return x.dim() == 2 and x.stride(1) == 1 and _gemv_fits(x, x.dtype, weight)
-
-
-def _gemv_fits(rows: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor) -> bool:
-    """Whether the GEMV takes `rows` (on CUDA, at most `GEMV_MAX_ROWS`) of values in
-    `dtype` against `weight`."""
     return (
-        rows.is_cuda
-        and 0 < rows.shape[0] <= GEMV_MAX_ROWS
-        and dtype in _GEMV_DTYPES
-        and weight.dtype == dtype
+        x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
         and weight.stride(1) == 1
     )
 
@@ -99,19 +94,6 @@ def silu_and_mul_linear(
 
         return silu_and_mul_linear_small_batch(gate_up, weight, bias)
     return linear(silu_and_mul(gate_up), weight, bias)
-
-
-def merge_splits_linear(
-    splits: AttentionSplits, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`linear(splits.merged(), weight, bias)`: the decode attention's output projection,
-    its splits merged in the GEMV's input where the GEMV runs (same bits: one kernel fewer
-    per layer), by the merge kernel otherwise."""
-    if _gemv_fits(splits.out, splits.dtype, weight):
-        from extkv.kernels.gemv import merge_splits_linear_small_batch
-
-        return merge_splits_linear_small_batch(splits.out, splits.lse, weight, bias)
-    return linear(splits.merged(), weight, bias)
 
 
 def rms_norm_linear(

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from extkv.attention.splits import AttentionSplits
 from extkv.distributed import current_group
 from extkv.models import ops
 
@@ -158,19 +157,16 @@ class RowParallelLinear(nn.Linear):
         self.tp = current_group()
         self.weight.weight_loader = shard_loader(shard, dim=1)
 
-    def forward(self, x: torch.Tensor | AttentionSplits, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """This rank's partial product, summed over the ranks (the bias on rank 0 only).
         `gated`: x is a gated MLP's (T, 2 in_features), gate then up, and the layer takes
-        silu(gate) * up, fused into a decode step's GEMV (`ops.silu_and_mul_linear`).
-        x may also be a decode attention's unmerged splits, merged in the GEMV's input
-        (`ops.merge_splits_linear`)."""
+        silu(gate) * up, fused into a decode step's GEMV (`ops.silu_and_mul_linear`)."""
         bias = self.bias if self.tp.rank == 0 else None
-        if isinstance(x, AttentionSplits):
-            y = ops.merge_splits_linear(x, self.weight, bias)
-        elif gated:
-            y = ops.silu_and_mul_linear(x, self.weight, bias)
-        else:
-            y = ops.linear(x, self.weight, bias)
+        y = (
+            ops.silu_and_mul_linear(x, self.weight, bias)
+            if gated
+            else ops.linear(x, self.weight, bias)
+        )
         return self.tp.all_reduce(y)
 
 
