@@ -3,22 +3,17 @@ device it was built on (a bare "cuda" once killed the engine as the server start
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from extkv import LLM
 from extkv.demo import make_random_checkpoint
-from extkv.serving import ServerSettings, build_app
-from live_server import free_port
+from live_server import MODEL, serving
 
 pytestmark = pytest.mark.gpu
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +27,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_server_on_the_default_cuda_device_answers(checkpoint: Path, device: str | None) -> None:
     llm = LLM(str(checkpoint), device=device, gpu_memory_utilization=0.1, max_model_len=256)
     assert llm.engine.config.device == torch.device("cuda", torch.cuda.current_device())
-    app = build_app(llm.engine, ServerSettings(MODEL))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
-        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+    with serving(llm) as url:
         response = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions", json={**body, "ignore_eos": True}, timeout=60
+            f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60
         )
         assert response.status_code == 200, response.text
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-    assert not thread.is_alive()
+        assert httpx.get(f"{url}/health").status_code == 200  # the engine thread lives on
     assert response.json()["usage"]["completion_tokens"] == 8
     llm.close()
