@@ -17,6 +17,7 @@ from extkv import LLM
 from extkv.attention import ForwardContext, set_forward_context
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
+from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
@@ -119,6 +120,19 @@ def make_sequence(
     """A request as the scheduler and the block manager hold it, with no engine around:
     the one place the unit tests build a `Sequence`."""
     return Sequence(request_id, tokens, params or SamplingParams())
+
+
+def kv_groups(
+    block_size: int, full: int = 1, windows: tuple[int, ...] = (), mamba: int = 0
+) -> list[KVCacheGroup]:
+    """KV cache groups of one layer each, as a plan orders them (attention first): `full`
+    full-attention groups, a sliding-window group per entry of `windows`, `mamba` state
+    groups; what the block manager reads of a model, without one."""
+    attention = FullAttentionSpec(block_size, 1, 8, torch.float32)
+    specs = [attention] * full
+    specs += [SlidingWindowSpec(block_size, 1, 8, torch.float32, w) for w in windows]
+    specs += [MambaSpec(block_size, ((4,),), (torch.float32,))] * mamba
+    return [KVCacheGroup([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
 
 
 def interpreter_rounds_bf16_to_nearest() -> None:
