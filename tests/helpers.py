@@ -181,6 +181,30 @@ def hf_greedy(
     return outputs
 
 
+def assert_follows_transformers_in_bf16(
+    path: Path, prompts: list[list[int]], tokens: list[list[int]]
+) -> None:
+    """extkv's greedy `tokens` of each prompt are transformers' bf16 greedy ones on CUDA, or
+    part from them only where transformers' two candidates' logits (nearly) tie."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None
+    for prompt, ours in zip(prompts, tokens, strict=True):
+        hf = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=len(ours),
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        if hf == ours:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(hf, ours, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
+        gap = (logits[hf[i]] - logits[ours[i]]).abs().item()
+        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
+
+
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """extkv's output token ids of each prompt."""
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

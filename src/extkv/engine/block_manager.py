@@ -27,7 +27,7 @@ from extkv.engine.sequence import Sequence
 from extkv.kv_cache.groups import KVCacheGroup
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
-NO_BLOCK = -1  # a released block's table entry: never read (it is out of every window)
+NO_BLOCK = -1  # a released block's table entry: never read (it is out of its group's window)
 
 
 class BlockManager:
@@ -48,6 +48,7 @@ class BlockManager:
         self.groups = tuple(groups)
         self.block_size = block_sizes.pop()
         self.prefix_caching = prefix_caching
+        # The sliding-window groups, by index: where `release_out_of_window` looks.
         self.windowed = [i for i, group in enumerate(groups) if group.sliding_window is not None]
         # Every attention group's table has one length (they all grow with the tokens):
         # one of them tells whether a sequence's tokens fit the blocks it holds.

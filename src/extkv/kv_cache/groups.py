@@ -21,9 +21,11 @@ page sizes are refused.
 A model whose layers all have one spec has one group of them all and one buffer per
 layer.
 
-    Gemma 3 (layers: local, global, local; g = 1)      groups: local.0 | global | local.1
-    buffer 0: shared by the three layers                 a sequence of 40 tokens, window 12:
-    block ids 0..N-1: each one page of buffer 0          global 5 blocks, each local 2 or 3
+    Gemma 3, layers local, global, local: g = 1, one buffer shared by the three layers
+    groups:  local [layer 0] | local [layer 2] | global [layer 1]   (attention first)
+    block b: page b of the buffer, in one table of one group at a time
+    40 tokens in blocks of 8, window 12: 2 or 3 blocks held in each local group, 5 in
+    the global one
 """
 
 from __future__ import annotations
