@@ -172,8 +172,8 @@ class BlockManager:
         )
 
     def holds(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether the blocks `seq` holds already hold `num_tokens` tokens (most decode steps:
-        the quick test; `blocks_missing` counts)."""
+        """Whether `seq`'s blocks already hold `num_tokens` tokens in every group: the quick
+        test of a decode step, which mostly needs no new block."""
         if not seq.block_tables:
             return False
         group = self._token_group
@@ -207,8 +207,8 @@ class BlockManager:
             seq.block_tables = [[] for _ in self.groups]
             seq.num_released_blocks = [0] * len(self.groups)
         for index, (group, table) in enumerate(zip(self.groups, seq.block_tables, strict=True)):
-            missing = group.blocks_for(num_tokens) - len(table)
-            table.extend(self._take_free(index) for _ in range(missing))
+            new = group.blocks_for(num_tokens) - len(table)
+            table.extend(self._take_free(index) for _ in range(new))
         self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:
