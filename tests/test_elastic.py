@@ -118,7 +118,7 @@ def test_resizing_moves_blocks_in_every_kv_cache_group(
     assert tokens == expected
     assert reports[0]["num_moved_blocks"] > 0 and moving == {0, 1, 2}
     assert reports[2]["num_preempted"] > 0
-    assert blocks.num_used_blocks_by_group == [0, 0, 0]
+    assert llm.kv_cache_status()["num_blocks_used_by_group"] == [0, 0, 0]
     assert_nothing_leaked(llm)
 
 
