@@ -17,6 +17,7 @@ from extkv import LLM
 from extkv.attention import ForwardContext, set_forward_context
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
+from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
 
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
@@ -121,6 +122,19 @@ def make_sequence(
     return Sequence(request_id, tokens, params or SamplingParams())
 
 
+def kv_groups(
+    block_size: int, full: int = 1, windows: tuple[int, ...] = (), mamba: int = 0
+) -> list[KVCacheGroup]:
+    """KV cache groups of one layer each, as a plan orders them (attention first): `full`
+    full-attention groups, a sliding-window group per entry of `windows`, `mamba` state
+    groups; what the block manager reads of a model, without one."""
+    attention = FullAttentionSpec(block_size, 1, 8, torch.float32)
+    specs = [attention] * full
+    specs += [SlidingWindowSpec(block_size, 1, 8, torch.float32, w) for w in windows]
+    specs += [MambaSpec(block_size, ((4,),), (torch.float32,))] * mamba
+    return [KVCacheGroup([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+
+
 def interpreter_rounds_bf16_to_nearest() -> None:
     """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
 
@@ -165,6 +179,30 @@ def hf_greedy(
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **generate)
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def assert_follows_transformers_in_bf16(
+    path: Path, prompts: list[list[int]], tokens: list[list[int]]
+) -> None:
+    """extkv's greedy `tokens` of each prompt are transformers' bf16 greedy ones on CUDA, or
+    part from them only where transformers' two candidates' logits (nearly) tie."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None
+    for prompt, ours in zip(prompts, tokens, strict=True):
+        hf = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=len(ours),
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        if hf == ours:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(hf, ours, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
+        gap = (logits[hf[i]] - logits[ours[i]]).abs().item()
+        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
 
 
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -88,6 +88,40 @@ def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Serve
     assert llm.kv_cache_status()["num_resizes"]["shrink"] >= 2
 
 
+def test_resizing_moves_blocks_in_every_kv_cache_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3: two local groups (window 12) and a global one draw from one pool. A shrink
+    while decoding moves the blocks past the new end whichever group holds them (a local
+    table's released entries stay released), a deeper one preempts; the tokens stay those
+    of the engine before any resize, and every group gives all its blocks back."""
+    path = make_random_checkpoint(tmp_path, "gemma3", with_tokenizer=False)
+    llm = LLM(path, **OPTIONS)
+    expected = extkv_tokens(llm, PROMPTS, PARAMS)
+    blocks = llm.engine.block_manager
+    assert [g.kind for g in blocks.groups] == ["sliding_window"] * 2 + ["full_attention"]
+    least = llm.kv_cache_status()["min_blocks"]
+    assert least == 3 * 128 // 16  # prefills of 256 tokens: no window bound below the length
+    llm.resize_kv_cache(num_blocks=64)
+    moving = set()  # groups holding a block past the end of a shrink
+    resize = llm.resize_kv_cache
+
+    def recording(num_blocks: int) -> dict[str, object]:
+        for seq in llm.engine.scheduler.running:
+            tables = enumerate(seq.block_tables)
+            moving.update(g for g, table in tables if any(b >= num_blocks for b in table))
+        return resize(num_blocks=num_blocks)
+
+    monkeypatch.setattr(llm, "resize_kv_cache", recording)
+    schedule = [(3, {"num_blocks": 30}), (6, {"num_blocks": 60}), (20, {"num_blocks": least})]
+    tokens, reports = decode_through(llm, schedule, hog=list(range(300, 360)))
+    assert tokens == expected
+    assert reports[0]["num_moved_blocks"] > 0 and moving == {0, 1, 2}
+    assert reports[2]["num_preempted"] > 0
+    assert llm.kv_cache_status()["num_blocks_used_by_group"] == [0, 0, 0]
+    assert_nothing_leaked(llm)
+
+
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # PARAMS' first 12
 
 

@@ -132,13 +132,14 @@ def make_random_checkpoint(
     tie_word_embeddings: bool = True,
     with_tokenizer: bool = True,
     vocab_size: int = 384,
-    num_hidden_layers: int = 2,
+    num_hidden_layers: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> Path:
-    """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default, any
-    shape through `config_overrides` (e.g. QWEN3_0_6B_SHAPE)."""
+    """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default (2 layers, or
+    the architecture's own default), any shape through `config_overrides` (e.g.
+    QWEN3_0_6B_SHAPE)."""
     import transformers
 
     folder = Path(folder)
@@ -147,7 +148,7 @@ def make_random_checkpoint(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -164,7 +165,10 @@ def make_random_checkpoint(
             f"architecture must be one of {sorted(_ARCHITECTURES)}; got {architecture!r}"
         )
     config_name, model_name, defaults = _ARCHITECTURES[architecture]
-    config = getattr(transformers, config_name)(**{**common, **defaults, **config_overrides})
+    shape = {**common, **defaults, **config_overrides}
+    if num_hidden_layers is not None:  # also over an architecture's own default
+        shape["num_hidden_layers"] = num_hidden_layers
+    config = getattr(transformers, config_name)(**shape)
     model_class = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = model_class(config).to(dtype).eval()

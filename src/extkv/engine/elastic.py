@@ -82,7 +82,7 @@ class ElasticMemory:
     @property
     def min_blocks(self) -> int:
         """Blocks one sequence of max_model_len tokens needs: no resize goes below."""
-        return self.runner.kv_plan.needs.blocks_for(self.config.max_model_len)
+        return self.runner.min_blocks
 
     # --- resizing ------------------------------------------------------------------------
 
@@ -155,6 +155,7 @@ class ElasticMemory:
             "num_blocks": blocks.num_blocks,
             "num_blocks_capacity": self.kv_cache.capacity_blocks,
             "num_blocks_used": blocks.num_used_blocks,
+            "num_blocks_used_by_group": blocks.num_used_blocks_by_group,
             "min_blocks": self.min_blocks,
             "bytes_per_block": self.runner.kv_plan.bytes_per_block,
             "committed_bytes": self.kv_cache.committed_bytes,

@@ -77,7 +77,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = facts.vocab_size
         self.block_manager = BlockManager(
-            self.report.num_blocks, self.runner.kv_plan.needs, config.enable_prefix_caching
+            self.report.num_blocks, self.runner.kv_plan.groups, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -116,6 +116,10 @@ class ModelRunner:
         self.device: torch.device = config.device
         self.vocab_size = vocab_size
         self.attention_layers, self.mixers = cache_layers(model)
+        # Each layer reads its KV cache group's part of a step's inputs.
+        for index, group in enumerate(kv_plan.attention_groups):
+            for name in group.layer_names:
+                self.attention_layers[name].kv_group = index
         for index, group in enumerate(kv_plan.state_groups):
             for name in group.layer_names:
                 self.mixers[name].state_group = index
@@ -125,7 +129,8 @@ class ModelRunner:
             max(config.max_num_batched_tokens, max_seqs),
             max_seqs,
             self.max_blocks_per_seq,
-            kv_plan.needs.num_state_groups,
+            len(kv_plan.attention_groups),
+            len(kv_plan.state_groups),
             self.device,
         )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -143,6 +148,13 @@ class ModelRunner:
             torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         ]
         self.num_steps = 0  # steps launched
+
+    @property
+    def min_blocks(self) -> int:
+        """The most blocks one sequence of max_model_len tokens holds at once, over every KV
+        cache group: fewer in the pool and it could never run."""
+        config = self.config
+        return self.kv_plan.blocks_per_seq(config.max_model_len, config.max_num_batched_tokens)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -173,14 +185,15 @@ class ModelRunner:
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
         lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
-        context = ForwardContext.packed_prefill(lengths, self.device)
+        groups = len(self.kv_plan.attention_groups)
+        context = ForwardContext.packed_prefill(lengths, self.device, groups)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         logger.info("Profiling memory: one step of %d tokens over %d sequences.", total, num_seqs)
         before = self._memory_high_water_mark(reset=True)
         with set_forward_context(context):
             hidden = self.model(input_ids, positions)
-        last_tokens = context.attention.cu_seqlens_q[1:].long() - 1
+        last_tokens = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[last_tokens])
         logits.argmax(dim=-1)
         del hidden, logits
@@ -250,7 +263,7 @@ class ModelRunner:
 
     def _pad(self, bs: int) -> None:
         """Stage a decode batch of `bs` padding rows (no request: nothing is written)."""
-        empty = build_step_inputs(StepPlan(False, []), self.kv_plan.needs, {})
+        empty = build_step_inputs(StepPlan(False, []), self.kv_plan, {})
         self.buffers.stage(empty, self._decode_shape(bs))
 
     def _decode_shape(self, bs: int) -> StepShape:
@@ -282,7 +295,7 @@ class ModelRunner:
             self.buffers.stage(inputs, self._decode_shape(bs))
             self.graphs.run(bs)
             return StepLogits(self.logits[:n], self.greedy_tokens[:n])
-        shape = StepShape(inputs.num_tokens, n, inputs.block_tables.shape[1])
+        shape = StepShape(inputs.num_tokens, n, inputs.width)
         self.buffers.stage(inputs, shape)
         views = self.buffers.views(shape, len(inputs.sample_rows))
         context = views.context(
@@ -309,7 +322,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         last_rows = self._last_rows
-        inputs = build_step_inputs(plan, self.kv_plan.needs, last_rows)
+        inputs = build_step_inputs(plan, self.kv_plan, last_rows)
         if not self.buffers.fits(StepShape(inputs.num_tokens, inputs.num_seqs, 0)):
             raise ValueError(
                 f"a step of {inputs.num_tokens} tokens over {inputs.num_seqs} sequences exceeds "

@@ -148,14 +148,8 @@ class Scheduler:
         )
 
     def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
-        """`seq`'s blocks per KV cache group: the attention table, then one state block
-        per recurrent group."""
-        if not seq.state_blocks:
-            return (seq.block_table,)
-        state_blocks = tuple([block] for block in seq.state_blocks)
-        if self.block_manager.needs.has_attention:
-            return (seq.block_table, *state_blocks)
-        return state_blocks
+        """`seq`'s block table in each KV cache group (KVCachePlan.groups' order)."""
+        return tuple(seq.block_tables)
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []
@@ -180,7 +174,7 @@ class Scheduler:
                 continue  # preempted with a token in flight: recomputed once it is here
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
+            computed = len(cached) * blocks.block_size if cached else seq.num_computed_tokens
             n = min(len(seq) - computed, budget)
             if not self._fits(seq, computed + n, reusing=cached):
                 break
@@ -210,9 +204,6 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
         blocks = self.block_manager
-        # Most steps need no new block: a running sequence has its state blocks, so it
-        # fits while its tokens fit its attention blocks (always, without attention).
-        block_size = blocks.needs.block_size if blocks.needs.has_attention else 0
         running = SequenceStatus.RUNNING
         for seq in list(self.running):
             if seq.status is not running:
@@ -220,7 +211,7 @@ class Scheduler:
             num_tokens = len(seq.token_ids) + seq.num_pending
             if seq.num_pending and self._at_length_limit(seq, num_tokens):
                 continue  # its pending token is its last
-            if not block_size or num_tokens <= len(seq.block_table) * block_size:
+            if blocks.holds(seq, num_tokens):  # most steps need no new block
                 seqs.append(seq)
             elif seq.num_pending and not self._fits(seq, num_tokens):
                 # Its token in flight may finish it: wait a step rather than preempt others.
@@ -266,8 +257,7 @@ class Scheduler:
         moves = blocks.resize(num_blocks)
         if moves:
             for seq in self.running:
-                seq.block_table = [moves.get(b, b) for b in seq.block_table]
-                seq.state_blocks = [moves.get(b, b) for b in seq.state_blocks]
+                seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
         return moves, preempted
 
     def _preempt(self, seq: Sequence) -> None:
@@ -284,7 +274,7 @@ class Scheduler:
         """Record that `plan` (the last one made) went to the device: its tokens count as
         computed, and each request it samples has one more token pending."""
         remember = self.block_manager.prefix_caching
-        windowed = self.block_manager.needs.sliding_window is not None
+        windowed = bool(self.block_manager.windowed)
         for seq, request in zip(self._planned, plan.requests, strict=True):
             seq.num_computed_tokens += request.num_new_tokens
             if remember:
@@ -339,4 +329,4 @@ class Scheduler:
 
 def _holds_from(seq: Sequence, num_blocks: int) -> bool:
     """Whether `seq` holds a block from `num_blocks` on (released entries are NO_BLOCK, < 0)."""
-    return any(b >= num_blocks for b in (*seq.block_table, *seq.state_blocks))
+    return any(b >= num_blocks for table in seq.block_tables for b in table)

@@ -39,9 +39,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending = 0
         self.num_preemptions = 0
-        self.block_table: list[int] = []  # attention blocks, in token order (NO_BLOCK: released)
-        self.num_released_blocks = 0  # sliding window: the leading blocks no query sees again
-        self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
+        # One block table per KV cache group (see extkv.kv_cache.groups), once it holds
+        # blocks: an attention group's in token order (NO_BLOCK: released, out of its
+        # window), a recurrent group's the one block its state lives in.
+        self.block_tables: list[list[int]] = []
+        self.num_released_blocks: list[int] = []  # per group: leading entries released
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
@@ -66,10 +68,3 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the cache yet, pending ones included: 1 means a decode."""
         return len(self) - self.num_computed_tokens
-
-    def slot(self, position: int, block_size: int) -> int:
-        """Cache slot of token `position`; -1 where the model keeps no per-token cache
-        (pure Mamba: its state is one block, not a slot per token)."""
-        if not self.block_table:
-            return -1
-        return self.block_table[position // block_size] * block_size + position % block_size

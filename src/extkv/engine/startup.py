@@ -71,6 +71,9 @@ class MemoryReport:
     kv_cache_bytes: int = 0
     kv_reserved_bytes: int = 0
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    # Per KV cache group (KVCachePlan.group_sizing): kind, layers, spec, page and block
+    # bytes, and what one max_model_len sequence holds of the shared blocks at most.
+    kv_cache_groups: list[dict[str, object]] = field(default_factory=list)
     graph_pool_bytes: int = 0
     graph_pool_bytes_per_rank: list[int] = field(default_factory=list)
     graph_pool_estimate_bytes: int | None = None
@@ -160,7 +163,7 @@ REMEDY = (
 
 def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what: str) -> None:
     config = runner.config
-    needed = runner.kv_plan.needs.blocks_for(config.max_model_len)
+    needed = runner.min_blocks
     if num_blocks < needed:
         missing = (needed - num_blocks) * bytes_per_block
         raise StartupError(
@@ -286,6 +289,10 @@ def initialize_kv_cache(
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
     report.kv_bytes_by_kind = cache.bytes_by_kind()
+    report.kv_cache_groups = runner.kv_plan.group_sizing(
+        config.max_model_len, config.max_num_batched_tokens
+    )
+    _log_groups(report, config.max_model_len)
     report.kv_setup_seconds = time.perf_counter() - start
     sizing = report.kv_setup_seconds - report.profile_seconds - report.capture_seconds
     logger.info(
@@ -299,6 +306,33 @@ def initialize_kv_cache(
         report.num_blocks_committed,
     )
     return cache, report
+
+
+def _log_groups(report: MemoryReport, max_model_len: int) -> None:
+    """One line per KV cache group: what it keeps and what a long sequence takes of the pool."""
+    groups = report.kv_cache_groups
+    logger.info(
+        "KV cache: %d blocks of %d bytes (%d tokens each), shared by %d group(s).",
+        report.num_blocks_committed,
+        report.bytes_per_block,
+        report.block_size,
+        len(groups),
+    )
+    for index, group in enumerate(groups):
+        layers = group["layers"]
+        names = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]}, ..., {layers[-1]}"
+        logger.info(
+            "KV cache group %d: %s, %d layer(s) (%s), %d-byte pages; a %d-token sequence "
+            "holds at most %d of its blocks (%.3f GiB).",
+            index,
+            group["kind"],
+            len(layers),
+            names,
+            group["page_size_bytes"],
+            max_model_len,
+            group["max_blocks_per_seq"],
+            group["max_bytes_per_seq"] / GiB,
+        )
 
 
 def _allocate(
@@ -337,8 +371,7 @@ def _extensible_flow(
     _check_fits(num_blocks, runner, per_block, "sized after graph capture")
     ceiling = num_blocks
     if config.kv_cache_policy == "elastic":  # the rest is committed on demand
-        min_blocks = runner.kv_plan.needs.blocks_for(config.max_model_len)
-        num_blocks = floor_blocks(cache, min_blocks, ceiling)
+        num_blocks = floor_blocks(cache, runner.min_blocks, ceiling)
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
     num_blocks = _smallest(runner, num_blocks, "committed")
     _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")

@@ -5,9 +5,9 @@ w loaded plus one, so the Llama norm and its fused kernels compute them), sandwi
 norms (after attention and after the MLP too), q/k norms, embeddings scaled by
 sqrt(hidden_size), a GELU-tanh gated MLP, the attention scaled by
 `query_pre_attn_scalar`, and two rotary tables: the local layers' own base and the
-global layers' (scaled) one. Every layer reads the one block table, so a sequence
-keeps all its blocks (the global layers see them all); a local layer's attention
-reads only its window.
+global layers' (scaled) one. Local and global layers are different KV cache groups
+(extkv.kv_cache.groups), each with its own block table: a sequence's local layers
+release the blocks out of their window as it runs, its global layers keep them all.
 """
 
 from __future__ import annotations
