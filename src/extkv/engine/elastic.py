@@ -97,7 +97,13 @@ class ElasticMemory:
         self._asleep: set[str] = set()  # of TAGS
         self._kv_blocks = 0  # what the KV cache had when it went to sleep
         self._parameters_unloaded = False  # level 2: woken, not filled yet
-        self.committed_bytes_per_rank = self._on_every_rank("kv_committed_bytes")
+        self._measure_ranks()
+
+    def _measure_ranks(self) -> None:
+        """Take every rank's KV cache size, for `status` (after every change to it)."""
+        self.num_blocks_per_rank, self.committed_bytes_per_rank = self._on_every_rank(
+            "kv_cache_sizes"
+        )
 
     def _on_every_rank(self, method: str, *args: object, **driver_only: object) -> object:
         """Run `RankMemory.<method>(*args)` on every rank (`driver_only`: on the driver, which
@@ -165,7 +171,7 @@ class ElasticMemory:
             self.num_shrinks += 1
         else:
             reached = target
-        self.committed_bytes_per_rank = self._on_every_rank("kv_committed_bytes")
+        self._measure_ranks()
         return KVCacheResize(
             num_blocks=reached,
             requested_blocks=target,
@@ -200,6 +206,7 @@ class ElasticMemory:
             "min_blocks": self.min_blocks,
             "bytes_per_block": self.runner.kv_plan.bytes_per_block,
             "committed_bytes": self.kv_cache.committed_bytes,
+            "num_blocks_per_rank": self.num_blocks_per_rank,
             "committed_bytes_per_rank": self.committed_bytes_per_rank,
             "reserved_bytes": self.kv_cache.reserved_bytes,
             "num_resizes": {"grow": self.num_grows, "shrink": self.num_shrinks},
@@ -224,7 +231,7 @@ class ElasticMemory:
         self.scheduler.resize(0)  # idle: nothing moves; the prefix cache goes with its blocks
         self._on_every_rank("sleep_kv_cache")
         self._asleep, self.sleep_level = {KV_CACHE}, level  # wakeable should the next fail
-        self.committed_bytes_per_rank = self._on_every_rank("kv_committed_bytes")
+        self._measure_ranks()
         self._on_every_rank("sleep_weights", level)
         self._asleep.add(WEIGHTS)
         logger.info(
@@ -260,7 +267,7 @@ class ElasticMemory:
                 )
             self.scheduler.resize(reached)
             self._asleep.discard(KV_CACHE)
-            self.committed_bytes_per_rank = self._on_every_rank("kv_committed_bytes")
+            self._measure_ranks()
         reloaded = not self._asleep and self._parameters_unloaded
         if reloaded:  # fully awake and nobody loaded the parameters (or that failed before)
             self._on_every_rank("reload_weights")

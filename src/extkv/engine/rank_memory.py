@@ -62,9 +62,12 @@ class RankMemory:
         self.kv_cache.copy_blocks(moves)
         self.kv_cache.shrink(num_blocks)
 
-    def kv_committed_bytes(self) -> list[int]:
-        """Every rank's committed KV cache bytes, in rank order."""
-        return self.tp.all_gather_ints(self.kv_cache.committed_bytes)
+    def kv_cache_sizes(self) -> tuple[list[int], list[int]]:
+        """Every rank's committed KV cache blocks and bytes, in rank order (the bytes may
+        differ: each rank's address space, sized by its own memory, puts its granule
+        boundaries elsewhere)."""
+        tp, cache = self.tp, self.kv_cache
+        return tp.all_gather_ints(cache.num_blocks), tp.all_gather_ints(cache.committed_bytes)
 
     def sleep_kv_cache(self) -> None:
         """Give the whole KV cache's memory back (the pool was emptied first)."""
