@@ -110,11 +110,39 @@ def test_a_level_2_wake_reads_the_checkpoint_unless_load_weights_fills_the_param
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
     some = dict(list(checkpoint_weights(first.path).items())[:3])
-    with pytest.raises(ValueError, match=r"missing tensors: .*after sleep\(level=2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"which must give every parameter \(after sleep\(level=2\) they hold nothing\), "
+        r"does not match Qwen3ForCausalLM: missing tensors: model\.layers\.0\.mlp\.gate_proj",
+    ):
         llm.load_weights(some.items())
     llm.wake_up(tags=["kv_cache"])  # fully awake, nothing loaded: the checkpoint is read
     assert not llm.is_sleeping() and llm.kv_cache_status()["weights_loaded"]
     assert extkv_tokens(llm, PROMPTS, PARAMS) == first.tokens
+
+
+def test_a_failed_checkpoint_read_leaves_requests_refused_until_load_weights(
+    first: Model, tmp_path: Path
+) -> None:
+    served = Path(shutil.copytree(first.path, tmp_path / "served"))
+    llm = LLM(served, enable_sleep_mode=True, **OPTIONS)
+    try:
+        weights = checkpoint_weights(served)
+        (served / "model.safetensors").unlink()
+        llm.sleep(level=2)
+        with pytest.raises(FileNotFoundError):
+            llm.wake_up()  # maps both back, then cannot read the parameters
+        assert llm.is_sleeping() and llm.kv_cache_status()["asleep"] == []
+        with pytest.raises(EngineAsleepError, match=r"dropped by sleep\(level=2\) are not loaded"):
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
+        llm.sleep(level=1)  # what level 1 keeps of them is nothing yet: still to be filled
+        llm.wake_up(tags=["weights"])
+        assert not llm.kv_cache_status()["weights_loaded"]
+        llm.load_weights(weights.items())
+        llm.wake_up()
+        assert extkv_tokens(llm, PROMPTS, PARAMS) == first.tokens
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize(

@@ -187,8 +187,8 @@ class EngineConfig:
             )
         if self.kv_cache_policy == "elastic" and self.tensor_parallel_size > 1:
             raise ValueError(
-                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (the workers cannot "
-                "resize yet)"
+                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (after a refused grow "
+                "it watches only the driver's free memory, not the workers')"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1

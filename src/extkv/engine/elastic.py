@@ -97,13 +97,14 @@ class ElasticMemory:
         self._asleep: set[str] = set()  # of TAGS
         self._kv_blocks = 0  # what the KV cache had when it went to sleep
         self._parameters_unloaded = False  # level 2: woken, not filled yet
+        self.num_blocks_per_rank: list[int] = []  # for `status`, kept by `_measure_ranks`
+        self.committed_bytes_per_rank: list[int] = []
         self._measure_ranks()
 
     def _measure_ranks(self) -> None:
-        """Take every rank's KV cache size, for `status` (after every change to it)."""
-        self.num_blocks_per_rank, self.committed_bytes_per_rank = self._on_every_rank(
-            "kv_cache_sizes"
-        )
+        """Take every rank's KV cache size (after every change to it)."""
+        sizes = self._on_every_rank("kv_cache_sizes")
+        self.num_blocks_per_rank, self.committed_bytes_per_rank = sizes
 
     def _on_every_rank(self, method: str, *args: object, **driver_only: object) -> object:
         """Run `RankMemory.<method>(*args)` on every rank (`driver_only`: on the driver, which
@@ -256,7 +257,8 @@ class ElasticMemory:
         start = time.perf_counter()
         woken = [t for t in TAGS if t in tags and t in self._asleep]
         if WEIGHTS in woken:
-            self._parameters_unloaded = self._on_every_rank("wake_weights")
+            # Level 2 leaves the parameters to fill (level 1 as they were when it slept).
+            self._parameters_unloaded |= self._on_every_rank("wake_weights")
             self._asleep.discard(WEIGHTS)
         if KV_CACHE in woken:
             reached = self._on_every_rank("wake_kv_cache", self._kv_blocks, self.min_blocks)
@@ -297,16 +299,8 @@ class ElasticMemory:
             raise EngineAsleepError(
                 "load_weights: the weights are asleep; wake_up(tags=['weights']) first"
             )
-        complete = self._parameters_unloaded
-        try:
-            pairs = check_weights(self.runner.model, weights, complete)
-        except ValueError as e:
-            if complete:
-                raise ValueError(
-                    f"{e} (after sleep(level=2) load_weights must give every parameter: "
-                    "their memory holds nothing yet)"
-                ) from None
-            raise
+        why_all = "after sleep(level=2) they hold nothing" if self._parameters_unloaded else None
+        pairs = check_weights(self.runner.model, weights, why_all)
         start = time.perf_counter()
         specs = [(name, tuple(t.shape), t.dtype) for name, t in pairs]
         self._on_every_rank("load_weights", specs, tensors=[t for _, t in pairs])

@@ -1,9 +1,9 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 `LLM.generate` drives it to completion; a server drives it step by step. Between
-steps its memory can change (`resize_kv_cache`, `sleep`, `wake_up`: see
-extkv.engine.elastic), also by itself under the elastic KV cache policy
-(extkv.engine.kv_policy).
+steps its memory and weights can change (`resize_kv_cache`, `sleep`, `wake_up`,
+`load_weights`: see extkv.engine.elastic; on every tensor-parallel rank), also by
+itself under the elastic KV cache policy (extkv.engine.kv_policy).
 
 With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and

@@ -281,13 +281,13 @@ _GIVEN = "the weights given to load_weights (checkpoint names, as transformers' 
 
 @torch.no_grad()
 def check_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], complete: bool
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], why_all: str | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of `weights` that fill parameters of `model`, in their order,
     each checked before any is loaded (a generator is read whole first): its name against
-    the model's (with `complete`, every parameter must be given), its shape through a dry run
-    of its weight loader on the meta device. Names the model ignores, and a tied parameter's
-    names after its first, are left out, as they are from a checkpoint."""
+    the model's (with `why_all`, the reason, every parameter must be given), its shape
+    through a dry run of its weight loader on the meta device. Names the model ignores, and
+    a tied parameter's names after its first, are left out, as they are from a checkpoint."""
     given: dict[str, torch.Tensor] = {}
     for item in weights:
         if not (
@@ -306,7 +306,10 @@ def check_weights(
                 "expected (it is cast to the model's dtype)"
             )
         given[name] = tensor
-    chosen = _match(model, set(given), _GIVEN, complete)
+    source = _GIVEN
+    if why_all is not None:
+        source += f", which must give every parameter ({why_all}),"
+    chosen = _match(model, set(given), source, complete=why_all is not None)
     for name, slot in chosen.items():
         stand_in = nn.Parameter(torch.empty_like(slot.param, device="meta"), requires_grad=False)
         _fill_slot(slot, given[name].to("meta"), f"load_weights: {name}", into=stand_in)
