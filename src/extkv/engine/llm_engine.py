@@ -161,9 +161,9 @@ class LLMEngine:
 
     def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
         """Give back the KV cache's and the weights' memory (level 1: weights kept in host
-        memory; level 2: dropped, read from the checkpoint on wake). Requests in flight are
-        refused with EngineStateError, or with `drain` run to the end first: their final
-        outputs are returned."""
+        memory; level 2: dropped, filled again after wake by load_weights or from the
+        checkpoint). Requests in flight are refused with EngineStateError, or with `drain`
+        run to the end first: their final outputs are returned."""
         self._check_usable()
         if not self.config.enable_sleep_mode:
             raise EngineStateError("sleep needs enable_sleep_mode=True (--enable-sleep-mode)")
