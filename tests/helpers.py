@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from extkv.attention import ForwardContext, set_forward_context
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from extkv.vmm.tensor import _shared_backend
 
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
@@ -166,6 +169,55 @@ def children() -> dict[int, bytes]:
         if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
             found[int(entry)] = cmdline
     return found
+
+
+def started_children(older: set[int]) -> set[int]:
+    """This process's children not among `older` (those alive before), but multiprocessing's
+    resource tracker (one per process, started with the first spawned child)."""
+    return {
+        pid
+        for pid, cmdline in children().items()
+        if b"resource_tracker" not in cmdline and pid not in older
+    }
+
+
+@contextmanager
+def commit_limit(room_bytes: int) -> Iterator[None]:
+    """The process's host backend (every engine in it commits through it) may commit only
+    `room_bytes` more than it holds now, as a device whose memory others hold."""
+    backend = _shared_backend(torch.device("cpu"))
+    backend.commit_limit_bytes = backend.committed_bytes + room_bytes
+    try:
+        yield
+    finally:
+        backend.commit_limit_bytes = None
+
+
+def decode_through(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    schedule: list[tuple[int, dict[str, int]]],
+    hog: list[int] | None = None,
+) -> tuple[list[list[int]], list[dict[str, object]]]:
+    """`prompts` decoded step by step, `llm.resize_kv_cache(**kwargs)` before step `i` for
+    each `(i, kwargs)` of `schedule`; with `hog`, a request for it holds the first blocks
+    handed out until it is aborted before step 1. Each prompt's tokens, and the resize
+    reports."""
+    engine = llm.engine
+    hogging = engine.add_request(hog, params) if hog else None
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    reports = []
+    for step in range(1000):  # a bound, so a livelock fails instead of hanging
+        if not engine.has_unfinished_requests():
+            break
+        if step == 1 and hogging is not None:
+            engine.abort_request(hogging)
+        reports += [llm.resize_kv_cache(**kwargs) for at, kwargs in schedule if at == step]
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
+    assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
+    return [tokens[i] for i in ids], reports
 
 
 def hf_greedy(

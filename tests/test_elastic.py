@@ -16,7 +16,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.errors import EngineAsleepError, EngineStateError
 from extkv.engine.host_memory import resident_bytes
-from helpers import assert_nothing_leaked, extkv_tokens
+from helpers import assert_nothing_leaked, decode_through, extkv_tokens
 
 OPTIONS = dict(
     cpu_memory_budget_bytes=96 << 20,
@@ -42,31 +42,6 @@ def served(qwen3: Path) -> Served:
     return Served(llm, extkv_tokens(llm, PROMPTS, PARAMS))
 
 
-def decode_through(
-    llm: LLM,
-    schedule: list[tuple[int, dict[str, int]]],
-    hog: list[int] | None = None,
-    params: SamplingParams = PARAMS,
-) -> tuple[list[list[int]], list[dict[str, object]]]:
-    """PROMPTS decoded step by step, `llm.resize_kv_cache(**kwargs)` before step `i` for each
-    `(i, kwargs)` of `schedule`; with `hog`, a request for it holds the first blocks handed
-    out until it is aborted before step 1. Each prompt's tokens, and the resize reports."""
-    engine = llm.engine
-    hogging = engine.add_request(hog, params) if hog else None
-    ids = [engine.add_request(p, params) for p in PROMPTS]
-    tokens: dict[str, list[int]] = {}
-    reports = []
-    for step in range(1000):  # a bound, so a livelock fails instead of hanging
-        if not engine.has_unfinished_requests():
-            break
-        if step == 1 and hogging is not None:
-            engine.abort_request(hogging)
-        reports += [llm.resize_kv_cache(**kwargs) for at, kwargs in schedule if at == step]
-        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
-    assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
-    return [tokens[i] for i in ids], reports
-
-
 def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Served) -> None:
     llm, expected = served
     llm.resize_kv_cache(num_blocks=MIN_BLOCKS)  # no request: the pool is 8 blocks ...
@@ -74,7 +49,7 @@ def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Serve
     # The hog holds low blocks while the prompts take higher ones; once it is gone, a
     # shrink moves their blocks down; a shrink below what they hold preempts some.
     schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
-    tokens, reports = decode_through(llm, schedule, hog=list(range(300, 360)))
+    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
     assert tokens == expected
     assert [r["num_blocks"] for r in reports] == [12, 48, 10]
     assert reports[0]["num_moved_blocks"] > 0
@@ -148,7 +123,7 @@ def test_random_resize_schedules_never_change_tokens_or_leak(
 ) -> None:
     llm, expected = served
     llm.resize_kv_cache(num_blocks=start)
-    tokens, reports = decode_through(llm, schedule, params=SHORT)
+    tokens, reports = decode_through(llm, PROMPTS, SHORT, schedule)
     assert tokens == [t[:12] for t in expected]
     for report in reports:
         assert report["num_blocks"] == report["requested_blocks"]  # host memory: all fits

@@ -117,6 +117,12 @@ class BlockManager:
             parent = hash(key)
             seq.block_hashes.append(parent)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the KV they hold is stale, e.g. new weights came);
+        the blocks themselves stay where they are, free or held."""
+        self._cached.clear()
+        self._key_of.clear()
+
     # --- resizing ------------------------------------------------------------------------
 
     def num_held_from(self, num_blocks: int) -> int:

@@ -180,10 +180,6 @@ class EngineConfig:
                 "enable_sleep_mode needs enable_extensible_kv_cache=True (or 'auto'): sleep "
                 "gives back the KV cache's memory under addresses the CUDA graphs keep"
             )
-        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_sleep_mode needs tensor_parallel_size=1 (the workers cannot sleep yet)"
-            )
         if self.kv_cache_policy == "elastic" and self.enable_extensible_kv_cache is False:
             raise ValueError(
                 "kv_cache_policy='elastic' needs enable_extensible_kv_cache=True (or 'auto'): it "
@@ -191,8 +187,8 @@ class EngineConfig:
             )
         if self.kv_cache_policy == "elastic" and self.tensor_parallel_size > 1:
             raise ValueError(
-                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (the workers cannot "
-                "resize yet)"
+                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (after a refused grow "
+                "it watches only the driver's free memory, not the workers')"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from extkv.engine.config import EngineConfig
@@ -68,19 +69,37 @@ class LLM:
 
     def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
         """As vLLM's sleep mode (`enable_sleep_mode=True`): give back the KV cache's memory
-        and move the weights to host memory (level 1) or drop them (level 2, reloaded from
-        the checkpoint on wake). `drain` first finishes requests still running (added
-        through `engine`) and returns their outputs; without it they are an error."""
+        and move the weights to host memory (level 1) or drop them (level 2: see `wake_up`).
+        `drain` first finishes requests still running (added through `engine`) and returns
+        their outputs; without it they are an error."""
         return self.engine.sleep(level, drain)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Map back "weights" and/or "kv_cache" (None: both) under the same addresses; the
-        CUDA graphs captured at start-up replay unchanged, the prefix cache starts empty."""
+        CUDA graphs captured at start-up replay unchanged, the prefix cache starts empty.
+
+        After `sleep(level=2)`, waking the weights maps their memory back but fills no
+        parameter: call `load_weights` then (new weights, e.g. from a trainer), or let the
+        engine read the checkpoint again, which it does once it is fully awake with the
+        parameters still unfilled. So `wake_up(tags=["weights"])`, `load_weights(...)`,
+        `wake_up(tags=["kv_cache"])` reads no checkpoint, and `wake_up()` reads it."""
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache sleep."""
+        """Whether the weights or the KV cache sleep (or, after a level-2 sleep, the
+        parameters wait to be filled)."""
         return self.engine.is_sleeping()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into the model, in place (same addresses: the CUDA graphs stay
+        valid), on every tensor-parallel rank: `weights` are (name, tensor) pairs named as in
+        the checkpoint (transformers' `model.state_dict()`), any dtype and device, full
+        tensors (each rank takes its shard). A subset updates just those parameters; after
+        `sleep(level=2)` and `wake_up(tags=["weights"])` every parameter must be given.
+        All pairs are checked before any is copied (a generator is read whole first): an
+        unknown or missing name or a wrong shape is a ValueError that names it, and nothing
+        is loaded. The engine must be idle; the prefix cache is emptied."""
+        self.engine.load_weights(weights)
 
     def get_tokenizer(self):  # -> PreTrainedTokenizerBase | None
         """The checkpoint's tokenizer, or None where the folder has none (token ids only)."""

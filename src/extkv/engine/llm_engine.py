@@ -1,9 +1,9 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 `LLM.generate` drives it to completion; a server drives it step by step. Between
-steps its memory can change (`resize_kv_cache`, `sleep`, `wake_up`: see
-extkv.engine.elastic), also by itself under the elastic KV cache policy
-(extkv.engine.kv_policy).
+steps its memory and weights can change (`resize_kv_cache`, `sleep`, `wake_up`,
+`load_weights`: see extkv.engine.elastic; on every tensor-parallel rank), also by
+itself under the elastic KV cache policy (extkv.engine.kv_policy).
 
 With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and
@@ -20,7 +20,8 @@ import logging
 import os
 import time
 import weakref
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -86,7 +87,9 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=frozenset(facts.eos_token_ids),
         )
-        self.elastic = ElasticMemory(config, self.runner, self.kv_cache, self.scheduler)
+        self.elastic = ElasticMemory(
+            config, self.runner, self.kv_cache, self.scheduler, self._ranks
+        )
         self.kv_policy: ElasticKVCachePolicy | None = None  # None: the static policy
         if config.kv_cache_policy == "elastic":
             self.kv_policy = ElasticKVCachePolicy(
@@ -137,7 +140,8 @@ class LLMEngine:
         graphs; requests decoding carry on (moved, or preempted and recomputed), their
         greedy tokens unchanged. See ElasticMemory.resize_kv_cache."""
         self._check_usable()
-        return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
+        with self._fatal_errors():
+            return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
 
     def kv_cache_status(self) -> dict[str, object]:
         """The KV cache now (committed, capacity, in use, resizes, what sleeps, the policy
@@ -150,13 +154,16 @@ class LLMEngine:
         every step; an idle server calls this); the seconds until it should be called
         again, None when nothing is left to give back (or the policy is static)."""
         self._check_usable()
-        return None if self.kv_policy is None else self.kv_policy.release_idle()
+        if self.kv_policy is None:
+            return None
+        with self._fatal_errors():
+            return self.kv_policy.release_idle()
 
     def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
         """Give back the KV cache's and the weights' memory (level 1: weights kept in host
-        memory; level 2: dropped, read from the checkpoint on wake). Requests in flight are
-        refused with EngineStateError, or with `drain` run to the end first: their final
-        outputs are returned."""
+        memory; level 2: dropped, filled again after wake by load_weights or from the
+        checkpoint). Requests in flight are refused with EngineStateError, or with `drain`
+        run to the end first: their final outputs are returned."""
         self._check_usable()
         if not self.config.enable_sleep_mode:
             raise EngineStateError("sleep needs enable_sleep_mode=True (--enable-sleep-mode)")
@@ -167,7 +174,8 @@ class LLMEngine:
                 "sleep with drain=True"
             )
         outputs = self.drain()  # without requests: the tokens of a step still in flight
-        self.elastic.sleep(level)
+        with self._fatal_errors():
+            self.elastic.sleep(level)
         return outputs
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -176,11 +184,27 @@ class LLMEngine:
         self._check_usable()
         if not self.config.enable_sleep_mode:
             raise EngineStateError("wake_up needs enable_sleep_mode=True (--enable-sleep-mode)")
-        self.elastic.wake_up(tags)
+        with self._fatal_errors():
+            self.elastic.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache sleep."""
-        return bool(self.elastic.asleep)
+        """Whether the weights or the KV cache sleep (or, after a level-2 sleep, the
+        parameters wait for `load_weights` or the checkpoint)."""
+        return self.elastic.sleeping
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights ((checkpoint name, tensor) pairs) into the model in place, on every
+        rank; see ElasticMemory.load_weights. Requests in flight are refused with
+        EngineStateError (they would mix two models' KV)."""
+        self._check_usable()
+        if self._requests:
+            raise EngineStateError(
+                f"load_weights: {len(self._requests)} request(s) in flight; let them finish "
+                "or abort them first"
+            )
+        self.drain()  # without requests: the tokens of a step still in flight
+        with self._fatal_errors():
+            self.elastic.load_weights(weights)
 
     def drain(self) -> list[RequestOutput]:
         """Step until no request is left; the final outputs of those that finish."""
@@ -279,11 +303,18 @@ class LLMEngine:
         `finish_reason` "error") and the engine carries on; one that leaves the engine
         unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
         self._check_usable()
-        try:
+        with self._fatal_errors():
             outputs = self._step(finished_only)
             if self.kv_policy is not None:  # after the step: what it freed counts as freed now
                 self.kv_policy.release_idle()
             return outputs
+
+    @contextmanager
+    def _fatal_errors(self) -> Iterator[None]:
+        """An error that leaves the engine unusable (`is_fatal`: a device error, a lost
+        tensor-parallel worker) becomes EngineDeadError, now and on every later call."""
+        try:
+            yield
         except Exception as e:
             if is_fatal(e):
                 self._dead = e

@@ -7,14 +7,13 @@ an address, into one ExtensibleTensor: each tensor becomes a view at a fixed
 offset of it. Sleep copies bytes out to host memory (pinned on CUDA) and shrinks
 the region to nothing; wake commits it again under the same base pointer and
 copies them back. Level 2 keeps only the buffers on the host (rotary tables and
-the like, which no checkpoint holds): the parameters are read from the
-checkpoint again on wake.
+the like, which no checkpoint holds): on wake the parameters are filled again,
+from the checkpoint or by `load_weights` (see extkv.engine.elastic).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,19 +118,20 @@ class WeightMemory:
                     storage.saved.copy_(self._piece(storage))
         self._region.shrink_per_segment_(0)
 
-    def restore(self, reload_parameters: Callable[[], None]) -> None:
+    def restore(self) -> bool:
         """Commit the region again under the same addresses and copy back what `offload`
-        saved; `reload_parameters` fills the parameters it did not (from the checkpoint)."""
+        saved; whether the parameters were left out (level 2: their memory is mapped but
+        holds nothing yet, for the caller to fill from the checkpoint or `load_weights`)."""
         self._region.resize_(self.num_bytes)
         if self._saved is not None:
             self._region.full_view()[: self.num_bytes].copy_(self._saved)
             self._saved = None
-            return
+            return False
         for storage in self._storages.values():
             if storage.saved is not None:
                 self._piece(storage).copy_(storage.saved)
                 storage.saved = None
-        reload_parameters()
+        return True
 
     def free(self) -> None:
         """Give the region back for good; the model's tensors dangle after."""
