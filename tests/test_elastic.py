@@ -89,7 +89,7 @@ def test_resizing_moves_blocks_in_every_kv_cache_group(
 
     monkeypatch.setattr(llm, "resize_kv_cache", recording)
     schedule = [(3, {"num_blocks": 30}), (6, {"num_blocks": 60}), (20, {"num_blocks": least})]
-    tokens, reports = decode_through(llm, schedule, hog=list(range(300, 360)))
+    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
     assert tokens == expected
     assert reports[0]["num_moved_blocks"] > 0 and moving == {0, 1, 2}
     assert reports[2]["num_preempted"] > 0
