@@ -10,7 +10,8 @@ released as it runs: their table entries become NO_BLOCK (positions keep their
 index), so a long generation holds a window's worth of blocks.
 
 With prefix caching, a full attention block whose KV has been computed is
-remembered by its content (its tokens and everything before them). A new
+remembered by its content (its tokens, the images whose embeddings some of its
+placeholder tokens stand for, and everything before them). A new
 sequence starting with the same tokens takes those blocks instead of computing
 them again; blocks are shared by reference count. A freed block keeps its
 content until the pool hands it out again, least recently freed first.
@@ -28,7 +29,8 @@ from collections.abc import Sequence as Seq
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache.plan import BlockNeeds
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
+# (hash of the prefix before the block, its tokens, the hashes of the images it holds part of)
+BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
 NO_BLOCK = -1  # a released block's table entry: never read (it is out of every window)
 
 
@@ -73,8 +75,7 @@ class BlockManager:
         blocks: list[int] = []
         parent = 0
         for start in range(0, len(seq) - 1 - size + 1, size):
-            key = (parent, tuple(seq.token_ids[start : start + size]))
-            block = self._cached.get(key)
+            block = self._cached.get(key := _block_key(seq, parent, start, size))
             if block is None:
                 break
             blocks.append(block)
@@ -100,7 +101,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         for i in range(len(seq.block_hashes), known // size):
-            key = (parent, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            key = _block_key(seq, parent, i * size, size)
             block = seq.block_table[i]
             if key not in self._cached and block not in self._key_of:
                 self._cached[key] = block
@@ -234,3 +235,9 @@ class BlockManager:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._cached[key]
+
+
+def _block_key(seq: Sequence, parent: int, start: int, size: int) -> BlockKey:
+    """The key of `seq`'s block of tokens [start, start + size) after the prefix `parent`."""
+    images = tuple(image.hash for image in seq.images_in(start, start + size))
+    return parent, tuple(seq.token_ids[start : start + size]), images
