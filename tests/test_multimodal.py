@@ -18,6 +18,7 @@ from PIL import Image
 
 from extkv import LLM, SamplingParams
 from extkv.demo import IMAGE_TOKEN, make_random_llava
+from extkv.engine.errors import RequestFailedError
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -119,8 +120,9 @@ def test_greedy_matches_transformers(tower: str, extensible: bool, request) -> N
     assert_encoder_cache_released(llm)
 
 
-def test_token_id_prompts_hold_one_placeholder_per_image(llava: Path) -> None:
-    llm = LLM(llava, **SMALL)
+@pytest.mark.parametrize("extensible", [False, True])
+def test_token_id_prompts_hold_one_placeholder_per_image(llava: Path, extensible: bool) -> None:
+    llm = LLM(llava, enable_extensible_kv_cache=extensible, **SMALL)
     tokenizer = llm.get_tokenizer()
     by_text = llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)
     by_ids = llm.generate(
@@ -162,8 +164,9 @@ def test_chunked_prefill_across_an_image_encodes_it_once(llava: Path, extensible
     assert_encoder_cache_released(llm)
 
 
-def test_identical_images_share_one_entry_and_hit(llava: Path) -> None:
-    llm = LLM(llava, **SMALL)
+@pytest.mark.parametrize("extensible", [False, True])
+def test_identical_images_share_one_entry_and_hit(llava: Path, extensible: bool) -> None:
+    llm = LLM(llava, enable_extensible_kv_cache=extensible, **SMALL)
     same = [(f"{IMAGE_TOKEN} one", [image(5)]), (f"two {IMAGE_TOKEN}", [image(5)])]
     llm.generate(as_dicts(same), GREEDY, use_tqdm=False)
     stats = llm.engine.stats()
@@ -216,18 +219,24 @@ def test_a_request_waits_until_its_images_fit(llava: Path) -> None:
     assert_encoder_cache_released(llm)
 
 
-def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path) -> None:
+@pytest.mark.parametrize("extensible", [False, True])
+def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path, extensible: bool) -> None:
     """Too few KV blocks for the batch (requests are preempted and recomputed, images
     encoded again or found), and prefix caching, whose blocks of placeholders are told
     apart by their images: the tokens stay transformers'."""
     _, expected = hf_greedy(llava, PROMPTS, GREEDY.max_tokens)
     tight_kv = {"num_gpu_blocks_override": 8, "block_size": 8, "max_model_len": 64}
-    tight = LLM(llava, **{**SMALL, **tight_kv})
+    tight = LLM(llava, enable_extensible_kv_cache=extensible, **{**SMALL, **tight_kv})
     assert tokens(tight.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert tight.engine.stats().num_preemptions > 0
     assert_nothing_leaked(tight)
     assert_encoder_cache_released(tight)
-    cached = LLM(llava, enable_prefix_caching=True, **{**SMALL, "block_size": 8})
+    cached = LLM(
+        llava,
+        enable_prefix_caching=True,
+        enable_extensible_kv_cache=extensible,
+        **{**SMALL, "block_size": 8},
+    )
     text = f"a long enough prefix of words {IMAGE_TOKEN} and then more words"
     same_text = [(text, [image(1)]), (text, [image(4)])]
     ids, want = hf_greedy(llava, same_text, GREEDY.max_tokens)
@@ -267,9 +276,11 @@ def test_memory_report_keeps_the_encoder_cache_out_of_the_kv_cache(
     assert text_only["encoder_cache_bytes"] == text_only["encoder_activation_peak_bytes"] == 0
 
 
-@pytest.fixture(scope="module")
-def llm(llava: Path) -> LLM:
-    return LLM(llava, limit_mm_per_prompt={"image": 2}, **SMALL)
+@pytest.fixture(scope="module", params=[False, True], ids=["legacy", "extensible"])
+def llm(llava: Path, request: pytest.FixtureRequest) -> LLM:
+    return LLM(
+        llava, limit_mm_per_prompt={"image": 2}, enable_extensible_kv_cache=request.param, **SMALL
+    )
 
 
 def corrupt_image() -> Image.Image:
@@ -324,6 +335,34 @@ def test_bad_images_are_refused_and_nothing_leaks(llm: LLM, prompt: dict, match:
     )
 
 
+def test_a_failed_step_forgets_the_images_it_was_to_encode(
+    llava: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder fails in a step: its request fails, the entry it was to hold is
+    forgotten (not left for a later request to find empty), and the same image then
+    works."""
+    llm = LLM(llava, **SMALL)
+    prompt = {"prompt": f"{IMAGE_TOKEN} again", "multi_modal_data": {"image": image(12)}}
+    model = llm.engine.runner.model
+
+    def broken(pixels: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the encoder broke")
+
+    monkeypatch.setattr(model, "encode_images", broken)
+    with pytest.raises(RequestFailedError, match="the encoder broke"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    cache = llm.engine.scheduler.encoder_cache
+    assert cache.num_entries == 0 and cache.num_misses == 1
+    assert (
+        tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
+        == hf_greedy(llava, [(prompt["prompt"], [image(12)])], GREEDY.max_tokens)[1]
+    )
+    assert (cache.num_misses, cache.num_hits) == (2, 0)
+    assert_nothing_leaked(llm)
+    assert_encoder_cache_released(llm)
+
+
 def test_images_on_a_text_only_model_are_refused(qwen3: Path) -> None:
     llm = LLM(qwen3, limit_mm_per_prompt={"image": 1}, **SMALL)  # the limit means nothing here
     prompt = {"prompt": "hello", "multi_modal_data": {"image": image(1)}}
@@ -361,14 +400,20 @@ def test_limit_from_the_command_line_form(llava: Path) -> None:
         llm.generate({"prompt": IMAGE_TOKEN, "multi_modal_data": {"image": image(1)}})
 
 
-def test_chat_takes_image_parts(llava: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extensible", [False, True])
+def test_chat_takes_image_parts(llava: Path, tmp_path: Path, extensible: bool) -> None:
     """Content parts with a data: URL, a file:// URL inside the allowed folder and a PIL
     image give the tokens of the same prompt written out; the template gets the parts
     (it loops over them), so the images come first, as llava-hf's templates put them."""
     folder = tmp_path / "media"
     folder.mkdir()
     image(2).save(folder / "two.png")
-    llm = LLM(llava, allowed_local_media_path=str(folder), **SMALL)
+    llm = LLM(
+        llava,
+        allowed_local_media_path=str(folder),
+        enable_extensible_kv_cache=extensible,
+        **SMALL,
+    )
     content = [
         {"type": "text", "text": "What is in these?"},
         {"type": "image_url", "image_url": {"url": png_data_url(image(1))}},
