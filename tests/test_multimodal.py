@@ -251,6 +251,19 @@ def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path, extensible: 
     assert cached.engine.stats().num_cached_prompt_tokens == offset // 8 * 8 + again
 
 
+def test_two_ranks_encode_alike(llava: Path) -> None:
+    """Tensor parallel: every rank holds the vision tower and its own encoder cache, kept
+    in step by the step inputs (images to encode, entries to drop); chunks of 6 tokens."""
+    options = {**SMALL, "max_num_batched_tokens": 6, "max_num_seqs": 2}
+    _, expected = hf_greedy(llava, PROMPTS, GREEDY.max_tokens)
+    llm = LLM(llava, tensor_parallel_size=2, **options)
+    try:
+        assert tokens(llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+        assert_encoder_cache_released(llm)
+    finally:
+        llm.close()
+
+
 def test_memory_report_keeps_the_encoder_cache_out_of_the_kv_cache(
     llava: Path, qwen3: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
