@@ -225,12 +225,12 @@ def make_random_llava(
     dtype: torch.dtype = torch.float32,
     vision_overrides: dict[str, object] | None = None,
     text_overrides: dict[str, object] | None = None,
-    with_processor: bool = True,
+    device: str = "cpu",
 ) -> Path:
     """Write a random LLaVA checkpoint (a `vision` tower, the projector, a text model of
     `_ARCHITECTURES`) and its processor: the image processor and a tokenizer that has
     IMAGE_TOKEN, with LLAVA_CHAT_TEMPLATE. Tiny by default (LLAVA_1_5_7B_SHAPE's parts
-    through the overrides make it large)."""
+    through the overrides make it large; `device` "cuda" then builds it fast)."""
     import transformers
 
     folder = Path(folder)
@@ -276,25 +276,25 @@ def make_random_llava(
         vision_feature_layer=-2,
     )
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+    with torch.device(device):
+        model = transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
     model.save_pretrained(folder)
-    if with_processor:
-        size = vision_config.image_size
-        if vision == "clip":
-            images = transformers.CLIPImageProcessor(
-                size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-            )
-        else:
-            images = transformers.SiglipImageProcessor(size={"height": size, "width": size})
-        processor = transformers.LlavaProcessor(
-            image_processor=images,
-            tokenizer=tokenizer,
-            patch_size=vision_config.patch_size,
-            vision_feature_select_strategy=strategy,
-            num_additional_image_tokens=1 if vision == "clip" else 0,
-            chat_template=LLAVA_CHAT_TEMPLATE,
+    size = vision_config.image_size
+    if vision == "clip":
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
-        processor.save_pretrained(folder)
+    else:
+        images = transformers.SiglipImageProcessor(size={"height": size, "width": size})
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=vision_config.patch_size,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1 if vision == "clip" else 0,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
     return folder
 
 
