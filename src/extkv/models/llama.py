@@ -170,15 +170,9 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden_size); `inputs_embeds` as
-        the stack takes them."""
-        return self.model(input_ids, positions, inputs_embeds)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype as HF."""

@@ -142,7 +142,7 @@ class LlavaForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden_size); `inputs_embeds` in
         place of the ids' embeddings where the step has images."""
-        return self.language_model(input_ids, positions, inputs_embeds)
+        return self.language_model.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden_size) -> fp32 logits (n, vocab_size)."""
