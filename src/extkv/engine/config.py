@@ -29,15 +29,20 @@ KV_CACHE_POLICIES = ("static", "elastic")
 
 
 def _resolve_engine_device(device: object) -> torch.device:
-    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it."""
+    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it. A
+    CUDA device always gets its index (the current device for a bare "cuda"): the engine's
+    threads and workers select it by index, and torch's set_device refuses one without."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"device={device!r} asks for CUDA, but no CUDA device is visible; pass "
             "device='cpu' (--device cpu on the command line) to run on the CPU"
         )
-    return resolve_device(device)
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def _resolve_dtype(dtype: object) -> torch.dtype | None:
@@ -217,16 +222,14 @@ class EngineConfig:
                 "async_scheduling=True needs tensor_parallel_size=1: the workers take each "
                 "step's input tokens from the host, which async scheduling has not got yet"
             )
-        if self.device.type == "cuda" and self.tensor_parallel_size > 1:
-            first = self.device.index
-            self.device = torch.device(
-                "cuda", torch.cuda.current_device() if first is None else first
+        if (
+            self.device.type == "cuda"
+            and self.device.index + self.tensor_parallel_size > torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
+                f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
             )
-            if self.device.index + self.tensor_parallel_size > torch.cuda.device_count():
-                raise ValueError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
-                    f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
-                )
 
     def finalize(self, max_position_embeddings: int | None) -> None:
         """Fill the defaults that depend on the model (None: it has no position limit)."""

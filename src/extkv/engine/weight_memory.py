@@ -58,6 +58,7 @@ class WeightMemory:
                 size = -(-(size + self._storages[key].num_bytes) // _ALIGN) * _ALIGN
             self._storages[key].has_buffer |= kind == "buffer"
         self.num_bytes = size
+        self._saved: torch.Tensor | None = None  # the whole region while a level-1 sleep lasts
         self._region = ExtensibleTensor(size, device)
         self._region.resize_(size)
         for key, storage in self._storages.items():
@@ -98,32 +99,43 @@ class WeightMemory:
 
     def offload(self, keep_parameters: bool) -> None:
         """Copy what wake needs back to host memory (everything, or with `keep_parameters`
-        off only the storages buffers use) and give the region's memory back."""
+        off only the storages buffers use) and give the region's memory back.
+
+        Everything goes as one copy into one host buffer (pinned on CUDA, from torch's
+        caching host allocator, so a second sleep reuses it): one transfer at full link
+        speed, where a copy per tensor pays a launch and a sync for each."""
         cuda = self._region.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self._region.device)  # no kernel may still read the weights
-        for storage in self._storages.values():
-            if keep_parameters or storage.has_buffer:
-                storage.saved = torch.empty(storage.num_bytes, dtype=torch.uint8, pin_memory=cuda)
-                storage.saved.copy_(self._piece(storage))
+        if keep_parameters:
+            self._saved = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self._saved.copy_(self._region.full_view()[: self.num_bytes])
+        else:
+            for storage in self._storages.values():
+                if storage.has_buffer:
+                    storage.saved = torch.empty(
+                        storage.num_bytes, dtype=torch.uint8, pin_memory=cuda
+                    )
+                    storage.saved.copy_(self._piece(storage))
         self._region.shrink_per_segment_(0)
 
     def restore(self, reload_parameters: Callable[[], None]) -> None:
         """Commit the region again under the same addresses and copy back what `offload`
         saved; `reload_parameters` fills the parameters it did not (from the checkpoint)."""
         self._region.resize_(self.num_bytes)
-        missing = False
+        if self._saved is not None:
+            self._region.full_view()[: self.num_bytes].copy_(self._saved)
+            self._saved = None
+            return
         for storage in self._storages.values():
-            if storage.saved is None:
-                missing = True
-                continue
-            self._piece(storage).copy_(storage.saved)
-            storage.saved = None
-        if missing:
-            reload_parameters()
+            if storage.saved is not None:
+                self._piece(storage).copy_(storage.saved)
+                storage.saved = None
+        reload_parameters()
 
     def free(self) -> None:
         """Give the region back for good; the model's tensors dangle after."""
         self._region.free()
+        self._saved = None
         for storage in self._storages.values():
             storage.saved = None

@@ -222,6 +222,7 @@ class _Server:
         self._metrics = ServerMetrics()
         self.engine = AsyncEngine(engine, self._metrics, settings.max_pending_requests)
         self.max_model_len = engine.config.max_model_len
+        self.textless = engine.tokenizer is None  # token ids in, token ids out
         template = settings.chat_template_text()
         self.prompts = PromptEncoder(
             engine.tokenizer, settings.model_name, self.max_model_len, template
@@ -439,7 +440,7 @@ class _Server:
             result = await _unless_disconnected(request, work)
         if result is None:
             return Response(status_code=499)  # the client closed the connection
-        choices = _Choices(reply, prompts, body.n, body.num_logprobs, echo)
+        choices = _Choices(reply, prompts, body.n, body.num_logprobs, echo, self.textless)
         if body.stream:
             events = _sse(choices, result, deltas, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -613,7 +614,8 @@ class _Choices:
     """The choices of one response as its chunks show them: a choice's first chunk adds
     the echoed prompt, the prompt's ids and the chat role; in a stream, a delta with no
     text waits (its tokens joining the next) unless it ends its choice, so that no chunk
-    is empty."""
+    is empty. A model without a tokenizer (`textless`) has only token ids to show: each
+    delta with new ones is a chunk."""
 
     def __init__(
         self,
@@ -622,8 +624,10 @@ class _Choices:
         n: int,
         num_logprobs: int | None,
         echo: _Echo | None,
+        textless: bool = False,
     ) -> None:
         self.reply = reply
+        self.textless = textless
         self.prompts = prompts
         self.n = n
         self.num_logprobs = num_logprobs
@@ -671,7 +675,8 @@ class _Choices:
         if held is not None:
             delta = held.then(delta)
         echo = self.echo is not None and delta.index not in self._last
-        if delta.text or delta.finish_reason is not None or echo:
+        shown = delta.text or (self.textless and delta.token_ids)
+        if shown or delta.finish_reason is not None or echo:
             return delta
         self._held[delta.index] = delta
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -177,6 +178,9 @@ class _Control:
     when_idle: bool
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class AsyncEngine:
     """The LLMEngine on a thread of its own: handlers `submit` and abort through its inbox
     and read each request's deltas from a RequestStream."""
@@ -205,6 +209,10 @@ class AsyncEngine:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
         self.metrics.update_engine(self.engine.stats())  # capacity shown before the first request
+        # The engine thread runs Python between device steps; by default it hands the GIL
+        # to a waiting thread only every 5 ms, so the event loop (woken by a step's
+        # deltas) would wait out several 1-3 ms steps and send their tokens in one burst.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def abort_all(self, reason: str) -> None:
