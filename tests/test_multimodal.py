@@ -164,6 +164,25 @@ def test_chunked_prefill_across_an_image_encodes_it_once(llava: Path, extensible
     assert_encoder_cache_released(llm)
 
 
+def test_n_completions_share_the_prompt_and_its_image(llava: Path) -> None:
+    """n = 3 greedy completions of an image prompt: the same tokens as one, the image
+    encoded once. Without prefix caching each completion finds it in the encoder cache;
+    with it, they take the prompt's blocks, image positions included, and need it not."""
+    for caching in (False, True):
+        llm = LLM(llava, enable_prefix_caching=caching, **SMALL)
+        prompt = as_dicts(PROMPTS[:1])[0]
+        [one] = tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
+        cache = llm.engine.scheduler.encoder_cache
+        hits = cache.num_hits
+        n3 = SamplingParams(n=3, temperature=0, max_tokens=GREEDY.max_tokens)
+        [output] = llm.generate(prompt, n3, use_tqdm=False)
+        assert [c.token_ids for c in output.outputs] == [one] * 3
+        assert cache.num_misses == 1
+        assert cache.num_hits == (hits if caching else hits + 3)
+        assert_nothing_leaked(llm)
+        assert_encoder_cache_released(llm)
+
+
 @pytest.mark.parametrize("extensible", [False, True])
 def test_identical_images_share_one_entry_and_hit(llava: Path, extensible: bool) -> None:
     llm = LLM(llava, enable_extensible_kv_cache=extensible, **SMALL)
