@@ -8,10 +8,11 @@ a long generation holds a window's worth of blocks there while a full-attention 
 keeps them all. All groups draw from one pool, a block belonging to one group at a time.
 
 With prefix caching (a model of one full-attention group), a full block whose KV has
-been computed is remembered by its content (its tokens and everything before them). A
-new sequence starting with the same tokens takes those blocks instead of computing
-them again; blocks are shared by reference count. A freed block keeps its content until
-the pool hands it out again, least recently freed first.
+been computed is remembered by its content (its tokens, the images whose embeddings some
+of its placeholder tokens stand for, and everything before them). A new sequence
+starting with the same tokens takes those blocks instead of computing them again; blocks
+are shared by reference count. A freed block keeps its content until the pool hands it
+out again, least recently freed first.
 
 The pool can be resized between steps (the KV cache grown or shrunk while serving):
 growing adds free blocks; shrinking drops the free blocks past the new end and moves
@@ -26,7 +27,8 @@ from collections.abc import Sequence as Seq
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache.groups import KVCacheGroup
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
+# (hash of the prefix before the block, its tokens, the hashes of the images it holds part of)
+BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
 NO_BLOCK = -1  # a released block's table entry: never read (it is out of its group's window)
 
 
@@ -82,8 +84,7 @@ class BlockManager:
         blocks: list[int] = []
         parent = 0
         for start in range(0, len(seq) - 1 - size + 1, size):
-            key = (parent, tuple(seq.token_ids[start : start + size]))
-            block = self._cached.get(key)
+            block = self._cached.get(key := _block_key(seq, parent, start, size))
             if block is None:
                 break
             blocks.append(block)
@@ -109,7 +110,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         for i in range(len(seq.block_hashes), known // size):
-            key = (parent, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            key = _block_key(seq, parent, i * size, size)
             block = seq.block_tables[0][i]
             if key not in self._cached and block not in self._key_of:
                 self._cached[key] = block
@@ -285,3 +286,9 @@ def _check_prefix_caching(groups: Seq[KVCacheGroup]) -> None:
             f"enable_prefix_caching needs a model of one KV cache group, this one has "
             f"{len(groups)} ({', '.join(sorted(kinds))})"
         )
+
+
+def _block_key(seq: Sequence, parent: int, start: int, size: int) -> BlockKey:
+    """The key of `seq`'s block of tokens [start, start + size) after the prefix `parent`."""
+    images = tuple(image.hash for image in seq.images_in(start, start + size))
+    return parent, tuple(seq.token_ids[start : start + size]), images

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from extkv.engine.multimodal import check_limit_mm_per_prompt
 from extkv.models.hf_config import resolve_model
 from extkv.options import Bool, Choice, Custom, Float, Int, check_options, option, required
 from extkv.vmm import resolve_device
@@ -61,6 +62,15 @@ def _model_source(model: object) -> str:
     except (OSError, ImportError, ValueError) as e:
         raise ValueError(str(e)) from None
     return os.fspath(model)
+
+
+def _media_folder(path: object) -> str | None:
+    """None, or an existing folder, made absolute with its links resolved."""
+    if path is None:
+        return None
+    if not isinstance(path, str | os.PathLike) or not os.path.isdir(path):
+        raise ValueError(f"allowed_local_media_path must be an existing folder; got {path!r}")
+    return os.path.realpath(path)
 
 
 @dataclass
@@ -152,6 +162,17 @@ class EngineConfig:
         30.0,
         "elastic policy: seconds KV cache blocks stay unused before their memory goes back",
         Float(0, above_minimum=True),
+    )
+    limit_mm_per_prompt: dict[str, int] | None = option(
+        None,
+        "most images one prompt may carry, as {'image': N} (command line: image=N); None: "
+        "as many as max_model_len holds",
+        Custom(check_limit_mm_per_prompt, "image=N with N an int >= 0", "image=N"),
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        "a folder whose image files chat messages may name as file:// URLs (None: no local files)",
+        Custom(_media_folder, "an existing folder", "FOLDER"),
     )
     worker_heartbeat_timeout: float = option(
         30.0,

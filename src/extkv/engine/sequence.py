@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         leader: Sequence | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -50,6 +52,8 @@ class Sequence:
         # Of a request with n > 1: its first completion, whose prompt this one waits for
         # (then it takes the prompt's blocks from the prefix cache); None for the first.
         self.leader = leader
+        self.images = images  # in prompt order; their placeholder runs are in the prompt
+        self.encoder_held: set[int] = set()  # indices of the images it holds in the encoder cache
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
@@ -68,3 +72,9 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the cache yet, pending ones included: 1 means a decode."""
         return len(self) - self.num_computed_tokens
+
+    def images_in(self, start: int, end: int) -> tuple[ImageInput, ...]:
+        """The images whose placeholder runs overlap positions [start, end)."""
+        if not self.images:
+            return ()
+        return tuple(i for i in self.images if i.offset < end and i.end > start)

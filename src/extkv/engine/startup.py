@@ -3,6 +3,9 @@
 Both flows begin with a profiling run at the largest batch, which gives the
 memory that is really available for the KV cache and the CUDA graphs:
 `available = budget - memory in use (weights, context, ...) - activation peak`.
+A vision-language model's profile also reserves its whole encoder cache and encodes
+the largest image batch a step may; the cache's size comes off `available` too, so the
+KV cache sized afterwards (by either flow) never takes the images' memory.
 
 legacy      estimate the graph pool with a throwaway capture -> allocate the
             whole KV cache from the estimate -> capture the graphs for real.
@@ -58,9 +61,14 @@ class MemoryReport:
     block_size: int
     bytes_per_block: int
     weights_bytes: int
-    activation_peak_bytes: int
+    activation_peak_bytes: int  # the largest step's, the encoder's included
     available_bytes: int
     margin_bytes: int
+    # Vision-language models: the encoder cache kept out of `available` (its budget in
+    # embeddings, and bytes), and the encoder's own peak over the largest image batch.
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_activation_peak_bytes: int = 0
     # Committed: blocks the engine can hand out now. Capacity: blocks the reserved
     # address space holds (extensible), or the committed count (legacy).
     num_blocks_committed: int = 0
@@ -257,7 +265,8 @@ def initialize_kv_cache(
     flow), allocate and bind it and capture the graphs; return it and the report of how."""
     start = time.perf_counter()
     per_block = runner.kv_plan.bytes_per_block
-    peak = runner.profile_run()
+    profile = runner.profile_run()
+    peak = profile.activation_peak_bytes
     profile_seconds = time.perf_counter() - start
     budget, in_use = _memory_in_use(runner, config, free_at_start)
     margin = config.kv_cache_margin_bytes
@@ -269,8 +278,11 @@ def initialize_kv_cache(
         bytes_per_block=per_block,
         weights_bytes=runner.weights_bytes(),
         activation_peak_bytes=peak,
-        available_bytes=max(budget - in_use - peak, 0),
+        available_bytes=max(budget - in_use - peak - profile.encoder_cache_bytes, 0),
         margin_bytes=margin,
+        encoder_cache_tokens=profile.encoder_cache_tokens,
+        encoder_cache_bytes=profile.encoder_cache_bytes,
+        encoder_activation_peak_bytes=profile.encoder_activation_peak_bytes,
         profile_seconds=profile_seconds,
     )
     logger.info(
@@ -283,6 +295,14 @@ def initialize_kv_cache(
         peak / GiB,
         report.available_bytes / GiB,
     )
+    if profile.encoder_cache_bytes:
+        logger.info(
+            "Encoder cache: %d embeddings (%.3f GiB) kept out of the available memory; the "
+            "encoder's activation peak %.3f GiB.",
+            report.encoder_cache_tokens,
+            report.encoder_cache_bytes / GiB,
+            report.encoder_activation_peak_bytes / GiB,
+        )
     flow = _extensible_flow if report.extensible else _legacy_flow
     cache, report.num_blocks_committed, report.num_blocks_ceiling = flow(runner, config, report)
     report.num_blocks_capacity = cache.capacity_blocks

@@ -19,7 +19,7 @@ are packed at its start, so the copy moves no byte more than the step uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -55,7 +55,11 @@ class StepInputs:
     slot (-1: no write) in each attention group. `seqs` rows: context length, whether
     the sequence continues an earlier step (its recurrent state is carried), then its
     state block in each recurrent group. `block_tables` has one table per attention
-    group. `cu_seqlens` has num_seqs + 1 entries."""
+    group. `cu_seqlens` has num_seqs + 1 entries.
+
+    Images (prefill only): the encoder cache drops the entries `evicted_encoder_hashes`,
+    then encodes `encoder_inputs` ((hash, pixels) each); `image_rows` says which token
+    rows take which embeddings: (hash, first embedding, first row, count)."""
 
     is_prefill: bool
     tokens: np.ndarray  # (3 + num_attention_groups, num_tokens)
@@ -64,6 +68,9 @@ class StepInputs:
     block_tables: np.ndarray  # (num_attention_groups, num_seqs, width), 0-padded
     sample_rows: np.ndarray  # token rows whose logits are sampled
     prompt_rows: np.ndarray  # token rows whose logits give prompt logprobs (often none)
+    encoder_inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    evicted_encoder_hashes: list[str] = field(default_factory=list)
+    image_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +139,12 @@ def build_step_inputs(
         for i, r in enumerate(requests if plan.is_prefill else ())
         for p in r.prompt_logprob_positions
     ]
+    image_rows = [
+        (image.hash, lo - image.offset, int(cu_seqlens[i]) + lo - r.num_computed_tokens, hi - lo)
+        for i, r in enumerate(requests if plan.is_prefill else ())
+        for image in r.images
+        if (lo := max(image.offset, r.num_computed_tokens)) < (hi := min(image.end, r.context_len))
+    ]
     return StepInputs(
         is_prefill=plan.is_prefill,
         tokens=tokens.astype(np.int32),
@@ -140,6 +153,9 @@ def build_step_inputs(
         block_tables=tables.astype(np.int32),
         sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
         prompt_rows=np.array(prompt_rows, dtype=np.int64),
+        encoder_inputs=[(image.hash, image.pixel_values) for image in plan.encoder_inputs],
+        evicted_encoder_hashes=plan.evicted_encoder_hashes,
+        image_rows=image_rows,
     )
 
 

@@ -33,9 +33,10 @@ from extkv.models.gguf import gguf_tensors
 from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
 from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
+from extkv.models.llava import LlavaForConditionalGeneration
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.parallel import MergedColumnParallelLinear
-from extkv.models.qwen3 import Qwen3ForCausalLM
+from extkv.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
@@ -43,8 +44,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 # For configs without `architectures` (GGUF files, some hand-written configs).
@@ -54,8 +57,10 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
     "mamba2": "Mamba2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 
@@ -190,12 +195,18 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_LISTED_NAMES]) + more
 
 
+def _renamer(model: nn.Module):  # -> Callable[[str], str]
+    """Checkpoint name -> parameter name: the model's `checkpoint_name` where it has one
+    (a layout its checkpoints spell several ways), else the name itself."""
+    return getattr(model, "checkpoint_name", None) or (lambda name: name)
+
+
 def _match(
     model: nn.Module, available: set[str], source: str, complete: bool = True
 ) -> dict[str, _Slot]:
-    """The slot each name of `available` fills; a ValueError names every unexpected tensor
-    and, when the tensors must be `complete`, every missing one. `source` says whose names
-    they are ("checkpoint PATH")."""
+    """The slot each name of `available` (checkpoint names as `_renamer` maps them) fills;
+    a ValueError names every unexpected tensor and, when the tensors must be `complete`,
+    every missing one. `source` says whose names they are ("checkpoint PATH")."""
     chosen: dict[str, _Slot] = {}
     missing: list[str] = []
     known: set[str] = set()
@@ -241,18 +252,23 @@ def load_weights(
     model: nn.Module, path: str, device: torch.device, show_progress: bool = True
 ) -> None:
     """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
+    rename = _renamer(model)
     names_in: dict[str, list[str]] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             names_in[file] = list(f.keys())
-    chosen = _match(model, set().union(*names_in.values()), f"checkpoint {path}")
+    chosen = _match(
+        model, {rename(n) for names in names_in.values() for n in names}, f"checkpoint {path}"
+    )
     with _progress(len(chosen), show_progress) as bar:
         for file, names in names_in.items():
             with safe_open(file, framework="pt", device=str(device)) as f:
-                for name in filter(chosen.__contains__, names):
-                    tensor = f.get_tensor(name)
-                    _fill_slot(chosen[name], tensor, f"checkpoint tensor {name} in {file}")
-                    bar.update()
+                for name in names:
+                    slot = chosen.get(rename(name))
+                    if slot is not None:
+                        what = f"checkpoint tensor {name} in {file}"
+                        _fill_slot(slot, f.get_tensor(name), what)
+                        bar.update()
 
 
 @torch.no_grad()
@@ -265,13 +281,15 @@ def load_tensors(
 ) -> None:
     """Fill every parameter of `model` from `tensors` (Hugging Face names, all in memory, as
     a GGUF file's are), releasing each once loaded so that two copies never coexist."""
-    chosen = _match(model, set(tensors), f"checkpoint {where}")
+    rename = _renamer(model)
+    chosen = _match(model, set(map(rename, tensors)), f"checkpoint {where}")
     with _progress(len(chosen), show_progress) as bar:
         for name in list(tensors):
             tensor = tensors.pop(name)
-            if name in chosen:
+            slot = chosen.get(rename(name))
+            if slot is not None:
                 what = f"checkpoint tensor {name} in {where}"
-                _fill_slot(chosen[name], tensor.to(device), what)
+                _fill_slot(slot, tensor.to(device), what)
                 bar.update()
 
 
@@ -287,7 +305,9 @@ def check_weights(
     each checked before any is loaded (a generator is read whole first): its name against
     the model's (with `why_all`, the reason, every parameter must be given), its shape
     through a dry run of its weight loader on the meta device. Names the model ignores, and
-    a tied parameter's names after its first, are left out, as they are from a checkpoint."""
+    a tied parameter's names after its first, are left out, as they are from a checkpoint.
+    Names come back as `_renamer` maps them (the parameters' own spelling)."""
+    rename = _renamer(model)
     given: dict[str, torch.Tensor] = {}
     for item in weights:
         if not (
@@ -297,7 +317,7 @@ def check_weights(
             and isinstance(item[1], torch.Tensor)
         ):
             raise ValueError(f"weights must be (name, tensor) pairs; got {item!r:.80}")
-        name, tensor = item
+        name, tensor = rename(item[0]), item[1]
         if name in given:
             raise ValueError(f"load_weights: {name} is given twice")
         if not tensor.is_floating_point():
