@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from extkv import LLM
 from extkv.attention import ForwardContext, set_forward_context
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
+from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from extkv.vmm.tensor import _shared_backend
 
 MAMBA_VOCAB = 128
 # transformers before 5.2x normalised the gated RMSNorm over all groups at once, unlike
@@ -121,6 +125,19 @@ def make_sequence(
     return Sequence(request_id, tokens, params or SamplingParams())
 
 
+def kv_groups(
+    block_size: int, full: int = 1, windows: tuple[int, ...] = (), mamba: int = 0
+) -> list[KVCacheGroup]:
+    """KV cache groups of one layer each, as a plan orders them (attention first): `full`
+    full-attention groups, a sliding-window group per entry of `windows`, `mamba` state
+    groups; what the block manager reads of a model, without one."""
+    attention = FullAttentionSpec(block_size, 1, 8, torch.float32)
+    specs = [attention] * full
+    specs += [SlidingWindowSpec(block_size, 1, 8, torch.float32, w) for w in windows]
+    specs += [MambaSpec(block_size, ((4,),), (torch.float32,))] * mamba
+    return [KVCacheGroup([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+
+
 def interpreter_rounds_bf16_to_nearest() -> None:
     """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
 
@@ -154,6 +171,55 @@ def children() -> dict[int, bytes]:
     return found
 
 
+def started_children(older: set[int]) -> set[int]:
+    """This process's children not among `older` (those alive before), but multiprocessing's
+    resource tracker (one per process, started with the first spawned child)."""
+    return {
+        pid
+        for pid, cmdline in children().items()
+        if b"resource_tracker" not in cmdline and pid not in older
+    }
+
+
+@contextmanager
+def commit_limit(room_bytes: int) -> Iterator[None]:
+    """The process's host backend (every engine in it commits through it) may commit only
+    `room_bytes` more than it holds now, as a device whose memory others hold."""
+    backend = _shared_backend(torch.device("cpu"))
+    backend.commit_limit_bytes = backend.committed_bytes + room_bytes
+    try:
+        yield
+    finally:
+        backend.commit_limit_bytes = None
+
+
+def decode_through(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    schedule: list[tuple[int, dict[str, int]]],
+    hog: list[int] | None = None,
+) -> tuple[list[list[int]], list[dict[str, object]]]:
+    """`prompts` decoded step by step, `llm.resize_kv_cache(**kwargs)` before step `i` for
+    each `(i, kwargs)` of `schedule`; with `hog`, a request for it holds the first blocks
+    handed out until it is aborted before step 1. Each prompt's tokens, and the resize
+    reports."""
+    engine = llm.engine
+    hogging = engine.add_request(hog, params) if hog else None
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    reports = []
+    for step in range(1000):  # a bound, so a livelock fails instead of hanging
+        if not engine.has_unfinished_requests():
+            break
+        if step == 1 and hogging is not None:
+            engine.abort_request(hogging)
+        reports += [llm.resize_kv_cache(**kwargs) for at, kwargs in schedule if at == step]
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
+    assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
+    return [tokens[i] for i in ids], reports
+
+
 def hf_greedy(
     path: Path, prompts: list[list[int]], max_new_tokens: int, **generate: object
 ) -> list[list[int]]:
@@ -165,6 +231,30 @@ def hf_greedy(
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **generate)
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def assert_follows_transformers_in_bf16(
+    path: Path, prompts: list[list[int]], tokens: list[list[int]]
+) -> None:
+    """extkv's greedy `tokens` of each prompt are transformers' bf16 greedy ones on CUDA, or
+    part from them only where transformers' two candidates' logits (nearly) tie."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.generation_config.eos_token_id = None
+    for prompt, ours in zip(prompts, tokens, strict=True):
+        hf = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=len(ours),
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        if hf == ours:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(hf, ours, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
+        gap = (logits[hf[i]] - logits[ours[i]]).abs().item()
+        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
 
 
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

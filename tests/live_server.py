@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,12 @@ from pathlib import Path
 
 import httpx
 import openai
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from extkv import LLM
+from extkv.serving import ServerSettings, build_app
+from extkv.serving.app import make_server
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024
@@ -108,3 +114,28 @@ def running(*servers: Server) -> Iterator[tuple[Server, ...]]:
     finally:
         for server in servers:
             server.stop()
+
+
+@contextmanager
+def serving(llm: LLM, bare: bool = False, **settings: object) -> Iterator[str]:
+    """`llm` served by `make_server` on a thread of this process (its engine may be
+    patched); yields the base URL. `bare`: the app under a plain uvicorn server instead,
+    which keeps answering once the engine died (make_server's stops then)."""
+    options = ServerSettings(MODEL, port=free_port(), **settings)
+    if bare:
+        config = uvicorn.Config(build_app(llm.engine, options), port=options.port, log_config=None)
+        server = uvicorn.Server(config)
+    else:
+        server = make_server(llm.engine, options)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -75,7 +75,7 @@ def test_async_equals_sync_with_mamba_state(family: str, request) -> None:
     params = mixed_params(path, prompts, longest=24, **options)
     sync = LLM(path, async_scheduling=False, **options)
     expected = run(sync, prompts, params)
-    two = 2 * sync.engine.runner.kv_plan.needs.blocks_for(1)
+    two = 2 * sync.engine.runner.kv_plan.blocks_per_seq(1)
     tight = LLM(path, async_scheduling=True, num_gpu_blocks_override=two, **options)
     assert run(tight, prompts, params) == expected
     assert (tight.engine.scheduler.num_preemptions > 0) == (family == "bamba")

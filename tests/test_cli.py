@@ -141,6 +141,28 @@ def test_kv_cache_policy_flags_reach_the_engine_config(
         assert "--kv-idle-release-s must be a number > 0; got" in capsys.readouterr().err
 
 
+def test_multimodal_flags_reach_the_engine_config(
+    config_only: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from extkv.cli import build_parser, engine_config
+
+    serve = ["serve", "--model", str(config_only), *CPU]
+    config = engine_config(build_parser().parse_args(serve))
+    assert (config.limit_mm_per_prompt, config.allowed_local_media_path) == (None, None)
+    flags = ["--limit-mm-per-prompt", "image=2", f"--allowed-local-media-path={tmp_path}"]
+    config = engine_config(build_parser().parse_args([*serve, *flags]))
+    assert config.limit_mm_per_prompt == {"image": 2}
+    assert config.allowed_local_media_path == str(tmp_path.resolve())
+    for flag, message in (
+        ("--limit-mm-per-prompt=video=1", "modality 'video' is not supported"),
+        ("--limit-mm-per-prompt=image=many", "limit_mm_per_prompt must be a dict"),
+        (f"--allowed-local-media-path={tmp_path}/none", "must be an existing folder"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*serve, flag])
+        assert message in capsys.readouterr().err
+
+
 def test_a_command_default_shows_in_its_help_and_can_be_turned_off(config_only: Path) -> None:
     """bench generates 128 tokens past EOS by default, says so, and `--ignore-eos false`
     turns that off."""

@@ -16,7 +16,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.errors import EngineAsleepError, EngineStateError
 from extkv.engine.host_memory import resident_bytes
-from helpers import assert_nothing_leaked, extkv_tokens
+from helpers import assert_nothing_leaked, decode_through, extkv_tokens
 
 OPTIONS = dict(
     cpu_memory_budget_bytes=96 << 20,
@@ -42,31 +42,6 @@ def served(qwen3: Path) -> Served:
     return Served(llm, extkv_tokens(llm, PROMPTS, PARAMS))
 
 
-def decode_through(
-    llm: LLM,
-    schedule: list[tuple[int, dict[str, int]]],
-    hog: list[int] | None = None,
-    params: SamplingParams = PARAMS,
-) -> tuple[list[list[int]], list[dict[str, object]]]:
-    """PROMPTS decoded step by step, `llm.resize_kv_cache(**kwargs)` before step `i` for each
-    `(i, kwargs)` of `schedule`; with `hog`, a request for it holds the first blocks handed
-    out until it is aborted before step 1. Each prompt's tokens, and the resize reports."""
-    engine = llm.engine
-    hogging = engine.add_request(hog, params) if hog else None
-    ids = [engine.add_request(p, params) for p in PROMPTS]
-    tokens: dict[str, list[int]] = {}
-    reports = []
-    for step in range(1000):  # a bound, so a livelock fails instead of hanging
-        if not engine.has_unfinished_requests():
-            break
-        if step == 1 and hogging is not None:
-            engine.abort_request(hogging)
-        reports += [llm.resize_kv_cache(**kwargs) for at, kwargs in schedule if at == step]
-        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)}
-    assert not engine.has_unfinished_requests(), "no progress within 1000 steps"
-    return [tokens[i] for i in ids], reports
-
-
 def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Served) -> None:
     llm, expected = served
     llm.resize_kv_cache(num_blocks=MIN_BLOCKS)  # no request: the pool is 8 blocks ...
@@ -74,7 +49,7 @@ def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Serve
     # The hog holds low blocks while the prompts take higher ones; once it is gone, a
     # shrink moves their blocks down; a shrink below what they hold preempts some.
     schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
-    tokens, reports = decode_through(llm, schedule, hog=list(range(300, 360)))
+    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
     assert tokens == expected
     assert [r["num_blocks"] for r in reports] == [12, 48, 10]
     assert reports[0]["num_moved_blocks"] > 0
@@ -86,6 +61,40 @@ def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Serve
     assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
     assert llm.engine.block_manager.num_cached_tokens > cached
     assert llm.kv_cache_status()["num_resizes"]["shrink"] >= 2
+
+
+def test_resizing_moves_blocks_in_every_kv_cache_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3: two local groups (window 12) and a global one draw from one pool. A shrink
+    while decoding moves the blocks past the new end whichever group holds them (a local
+    table's released entries stay released), a deeper one preempts; the tokens stay those
+    of the engine before any resize, and every group gives all its blocks back."""
+    path = make_random_checkpoint(tmp_path, "gemma3", with_tokenizer=False)
+    llm = LLM(path, **OPTIONS)
+    expected = extkv_tokens(llm, PROMPTS, PARAMS)
+    blocks = llm.engine.block_manager
+    assert [g.kind for g in blocks.groups] == ["sliding_window"] * 2 + ["full_attention"]
+    least = llm.kv_cache_status()["min_blocks"]
+    assert least == 3 * 128 // 16  # prefills of 256 tokens: no window bound below the length
+    llm.resize_kv_cache(num_blocks=64)
+    moving = set()  # groups holding a block past the end of a shrink
+    resize = llm.resize_kv_cache
+
+    def recording(num_blocks: int) -> dict[str, object]:
+        for seq in llm.engine.scheduler.running:
+            tables = enumerate(seq.block_tables)
+            moving.update(g for g, table in tables if any(b >= num_blocks for b in table))
+        return resize(num_blocks=num_blocks)
+
+    monkeypatch.setattr(llm, "resize_kv_cache", recording)
+    schedule = [(3, {"num_blocks": 30}), (6, {"num_blocks": 60}), (20, {"num_blocks": least})]
+    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
+    assert tokens == expected
+    assert reports[0]["num_moved_blocks"] > 0 and moving == {0, 1, 2}
+    assert reports[2]["num_preempted"] > 0
+    assert llm.kv_cache_status()["num_blocks_used_by_group"] == [0, 0, 0]
+    assert_nothing_leaked(llm)
 
 
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # PARAMS' first 12
@@ -114,7 +123,7 @@ def test_random_resize_schedules_never_change_tokens_or_leak(
 ) -> None:
     llm, expected = served
     llm.resize_kv_cache(num_blocks=start)
-    tokens, reports = decode_through(llm, schedule, params=SHORT)
+    tokens, reports = decode_through(llm, PROMPTS, SHORT, schedule)
     assert tokens == [t[:12] for t in expected]
     for report in reports:
         assert report["num_blocks"] == report["requested_blocks"]  # host memory: all fits
@@ -258,6 +267,8 @@ def test_sleep_gives_the_memory_back(heavy: Path) -> None:
         drops[level] = before - resident_bytes()
         llm.wake_up()
         assert extkv_tokens(llm, PROMPTS[2:], PARAMS) == expected
-    assert drops[1] >= 0.9 * kv
-    assert drops[2] >= 0.9 * (kv + weights)
+    # 0.8: the granules at each segment's end are committed but only partly touched, and
+    # the level-1 host copy of the weights faults its pages in as the region's go.
+    assert drops[1] >= 0.8 * kv
+    assert drops[2] >= 0.8 * (kv + weights)
     llm.close()

@@ -314,7 +314,7 @@ def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
     metadata = decode_metadata(context_lens, block_size, width)
     ids = torch.randint(0, 1024, (4,), device="cuda")
     positions = torch.tensor(context_lens, device="cuda") - 1
-    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+    with torch.inference_mode(), set_forward_context(ForwardContext((metadata,))):
         model(ids, positions)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=activities) as prof:
@@ -371,7 +371,7 @@ def test_decoder_layer_cuda_graph_replay(tmp_path: Path) -> None:
     cos_sin = model.model.rotary_emb.cos_sin_cache
 
     def run(step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
-        with set_forward_context(ForwardContext(step.metadata)):
+        with set_forward_context(ForwardContext((step.metadata,))):
             return layer(step.hidden, step.residual, step.positions, cos_sin)
 
     static = DecodeStep.random(0, num_seqs, block_size, width)

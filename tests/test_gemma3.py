@@ -48,10 +48,61 @@ def test_chunked_prefill_matches_transformers(gemma3: Path, expected: list[list[
     assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
 
 
-def test_the_global_layer_keeps_every_block(gemma3: Path) -> None:
-    """Beside a global layer no block is ever out of every window: nothing is released."""
-    llm = LLM(gemma3, **SMALL)
-    assert llm.engine.block_manager.needs.sliding_window is None
+def test_local_layers_hold_a_window_of_blocks_while_the_global_one_grows(
+    gemma3: Path,
+) -> None:
+    """Each local layer's group (window 12) releases the blocks out of its window as the
+    sequence runs, the global layer's group keeps them all: 45 + 150 tokens in blocks of
+    8, the global group grows to 25 blocks while each local group holds at most 3 once
+    decoding (the window's 11 earlier tokens and the new one span 2 or 3 blocks); the
+    tokens stay transformers', legacy and extensible alike."""
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    outputs = []
+    for extensible in (False, True):
+        engine = LLM(gemma3, **SMALL, enable_extensible_kv_cache=extensible).engine
+        blocks = engine.block_manager
+        assert [(g.kind, g.layer_names) for g in blocks.groups] == [
+            ("sliding_window", ["model.layers.0.self_attn.attn"]),
+            ("sliding_window", ["model.layers.2.self_attn.attn"]),
+            ("full_attention", ["model.layers.1.self_attn.attn"]),
+        ]
+        engine.add_request(PROMPTS[0], params)
+        held = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs.append(output.outputs[0].token_ids)
+            held.append(blocks.num_used_blocks_by_group)
+        decoding = held[1:-1]  # after the prompt's step, before the end
+        assert max(local for h in decoding for local in h[:2]) == 3
+        assert [h[2] for h in decoding] == sorted(h[2] for h in decoding)  # only grows
+        assert max(h[2] for h in held) == -(-(45 + 150 - 1) // 8)  # the last token's KV unneeded
+        assert blocks.num_used_blocks == 0 and held[-1] == [0, 0, 0]
+    assert outputs[0] == outputs[1]
+    assert outputs[:1] == hf_greedy(gemma3, PROMPTS[:1], 150)
+
+
+def test_report_sizes_each_group(gemma3: Path) -> None:
+    """The start-up report's per-group sizing: what each group keeps, of which layers, and
+    what a max_model_len (256) sequence, computed 64 tokens a step, holds of the shared
+    pool at most."""
+    options = dict(max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(gemma3, **SMALL, **options, enable_extensible_kv_cache=True)
+    report = llm.memory_report()
+    groups = report["kv_cache_groups"]
+    attn = llm.engine.runner.model.model.layers[1].self_attn.attn
+    page = 2 * 8 * attn.num_kv_heads * attn.head_dim * 4  # K and V of 8 tokens, fp32
+    assert [(g["kind"], g["page_size_bytes"]) for g in groups] == [
+        ("sliding_window", page),
+        ("sliding_window", page),
+        ("full_attention", page),
+    ]
+    assert report["bytes_per_block"] == page  # one buffer, shared by the three layers
+    # Local: the window's 11 tokens before a step of up to 64, and the block it starts in.
+    local = -(-(11 + 64) // 8) + 1
+    assert [g["max_blocks_per_seq"] for g in groups] == [local, local, 256 // 8]
+    assert [g["max_bytes_per_seq"] for g in groups] == [local * page] * 2 + [32 * page]
+    assert "sliding_window=12" in groups[0]["spec"]
 
 
 def test_final_logit_soft_capping_matches_transformers(tmp_path: Path, gemma3: Path) -> None:

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from helpers import HF_GROUPS
+from helpers import HF_GROUPS, assert_follows_transformers_in_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -88,20 +87,4 @@ def test_greedy_follows_transformers_in_bf16(checkpoint: Path) -> None:
     llm = LLM(checkpoint, max_model_len=512, max_num_seqs=8)
     ours = run(llm, ids, 12)
     llm.close()
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-    model = model.cuda().eval()
-    model.generation_config.eos_token_id = None
-    for prompt, tokens in zip(ids, ours, strict=True):
-        hf = model.generate(
-            torch.tensor([prompt], device="cuda"),
-            max_new_tokens=12,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        if hf == tokens:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(hf, tokens, strict=True)) if a != b)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
-        gap = (logits[hf[i]] - logits[tokens[i]]).abs().item()
-        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
+    assert_follows_transformers_in_bf16(checkpoint, ids, ours)

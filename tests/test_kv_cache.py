@@ -26,6 +26,7 @@ from extkv.kv_cache import (
     SlidingWindowSpec,
     bytes_per_block,
     get_layout,
+    group_layers,
     hybrid_layout,
     layer_segments,
     make_kv_cache_config,
@@ -170,20 +171,36 @@ def test_packed_multi_layer_layout_is_rejected() -> None:
 # --- config ----------------------------------------------------------------------------
 
 
-def test_config_one_tensor_per_layer() -> None:
-    window = SlidingWindowSpec(16, 1, 64, torch.float16, sliding_window=64)
-    groups = [KVCacheGroup(["a", "b"], ATTN), KVCacheGroup(["c"], window)]
+def test_config_one_group_has_one_tensor_per_layer() -> None:
+    groups = [KVCacheGroup(["a", "b", "c"], ATTN)]
     config = make_kv_cache_config(groups, 10)
     assert [t.shared_by for t in config.tensors] == [["a"], ["b"], ["c"]]
-    assert [t.size for t in config.tensors] == [10 * 8192, 10 * 8192, 10 * 4096]
-    assert bytes_per_block(groups) == 2 * 8192 + 4096
+    assert [t.size for t in config.tensors] == [10 * 8192] * 3
+    assert bytes_per_block(groups) == 3 * 8192
+
+
+def test_config_groups_share_tensors_by_position() -> None:
+    """Local and global layers (one page size): buffer j holds the j-th layer of each group."""
+    window = SlidingWindowSpec(16, 2, 64, torch.float16, sliding_window=64)
+    specs = {"local.0": window, "global.0": ATTN, "local.1": window, "local.2": window}
+    groups = group_layers(specs)
+    assert [(g.kind, g.layer_names) for g in groups] == [
+        ("sliding_window", ["local.0"]),
+        ("sliding_window", ["local.1"]),
+        ("sliding_window", ["local.2"]),
+        ("full_attention", ["global.0"]),
+    ]
+    config = make_kv_cache_config(groups, 10)
+    assert [t.shared_by for t in config.tensors] == [["local.0", "local.1", "local.2", "global.0"]]
+    assert bytes_per_block(groups) == 8192
+    narrow = SlidingWindowSpec(16, 1, 64, torch.float16, sliding_window=64)  # 4096-byte pages
+    with pytest.raises(ValueError, match=r"one page size, got \[4096, 8192\]"):
+        make_kv_cache_config([KVCacheGroup(["a"], ATTN), KVCacheGroup(["c"], narrow)], 10)
 
 
 def test_config_hybrid_shares_buffers_across_kinds() -> None:
-    groups = [
-        KVCacheGroup(["attn.0", "attn.1"], ATTN),
-        KVCacheGroup([f"mamba.{i}" for i in range(5)], MAMBA),
-    ]
+    specs = {"attn.0": ATTN, "attn.1": ATTN} | {f"mamba.{i}": MAMBA for i in range(5)}
+    groups = group_layers(specs)
     config = make_kv_cache_config(groups, 7)
     assert [t.shared_by for t in config.tensors] == [
         ["attn.0", "mamba.0", "mamba.2", "mamba.4"],
@@ -203,7 +220,7 @@ def test_config_hybrid_shares_buffers_across_kinds() -> None:
 def test_config_hybrid_rejects_mamba_page_larger_than_attention_page() -> None:
     small = FullAttentionSpec(1, 2, 64, torch.float16)  # 512-byte pages < 2560 of MAMBA
     with pytest.raises(ValueError, match="block_size must be >= 5"):
-        make_kv_cache_config([KVCacheGroup(["a"], small), KVCacheGroup(["m"], MAMBA)], 4)
+        group_layers({"a": small, "m": MAMBA})
 
 
 @pytest.mark.parametrize(
@@ -327,7 +344,7 @@ def test_mamba(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid(device: str) -> None:
-    groups = [KVCacheGroup(["attn.0"], ATTN), KVCacheGroup(["mamba.0", "mamba.1"], MAMBA)]
+    groups = group_layers({"attn.0": ATTN, "mamba.0": MAMBA, "mamba.1": MAMBA})
     config = make_kv_cache_config(groups, NUM_BLOCKS)
     assert [t.shared_by for t in config.tensors] == [["attn.0", "mamba.0", "mamba.1"]]
     with pytest.raises(ValueError, match="agree on segments"):
@@ -396,7 +413,7 @@ def test_shrink_gives_the_tail_back_and_extend_grows_it_again(
 @pytest.mark.parametrize("device", DEVICES)
 def test_copy_blocks_moves_every_layer_of_a_block(device: str) -> None:
     """Attention K and V and Mamba states alike: a block is its bytes in every buffer."""
-    groups = [KVCacheGroup(["attn.0"], ATTN), KVCacheGroup(["mamba.0"], MAMBA)]
+    groups = group_layers({"attn.0": ATTN, "mamba.0": MAMBA})
     config = make_kv_cache_config(groups, NUM_BLOCKS)
     cache = KVCache(config, {"attn.0": hybrid_layout(get_layout("split"))}, device, True)
     cache.extend(8)
@@ -527,7 +544,8 @@ def random_setup(layers, data: st.DataObject) -> tuple[KVCacheConfig, dict[str, 
     names = [f"layer.{i}" for i in range(len(layers))]
     groups = [KVCacheGroup([name], spec) for name, (_, spec) in zip(names, layers, strict=True)]
     layouts = {name: layout for name, (layout, _) in zip(names, layers, strict=True)}
-    return make_kv_cache_config(groups, capacity), layouts
+    tensors = [KVCacheTensor(capacity * g.spec.page_size_bytes, g.layer_names) for g in groups]
+    return KVCacheConfig(capacity, tensors, groups), layouts
 
 
 def distinct_halves(cache: KVCache) -> list[torch.Tensor]:

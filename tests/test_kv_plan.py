@@ -21,6 +21,7 @@ class FakeAttention:
     num_kv_heads: int = 2
     head_dim: int = 16
     latent_cache: bool = False
+    sliding_window: int | None = None
 
 
 class FakeMixer:
@@ -35,7 +36,7 @@ def test_dense_plan_has_one_group_and_the_configured_block_size() -> None:
     layers = {f"layers.{i}.attn": FakeAttention() for i in range(3)}
     plan = plan_kv_cache(layers, {}, torch.float16, 16, "block_major")
     assert [g.layer_names for g in plan.groups] == [list(layers)]
-    assert plan.block_size == 16 and plan.needs.num_state_groups == 0
+    assert plan.block_size == 16 and plan.state_groups == []
     assert (
         plan.bytes_per_block == 3 * 2 * 16 * 2 * 16 * 2
     )  # layers * K+V * tokens * heads * dim * bytes
@@ -50,30 +51,75 @@ def test_mla_plan_keeps_one_latent_row_per_token_in_the_mla_layout() -> None:
     assert {layout.name for layout in plan.layouts.values()} == {"mla"}
 
 
-@pytest.mark.parametrize(("num_attention", "num_mamba"), [(1, 4), (2, 5), (4, 1), (3, 3)])
-def test_hybrid_plan_fits_a_state_in_a_page_and_keeps_one_attention_group(
+@pytest.mark.parametrize(("num_attention", "num_mamba"), [(1, 4), (2, 5), (4, 1), (5, 1), (3, 3)])
+def test_hybrid_plan_fits_a_state_in_a_page_and_groups_by_the_rarer_kind(
     num_attention: int, num_mamba: int
 ) -> None:
+    """Groups of as many layers as the rarer kind has: the commoner kind is cut into
+    several groups (the last one short), and that many buffers are shared by position."""
     attention = {f"attn.{i}": FakeAttention() for i in range(num_attention)}
     mixers = {f"mamba.{i}": FakeMixer() for i in range(num_mamba)}
     plan = plan_kv_cache(attention, mixers, torch.float32, 16, "split")
-    kinds = [g.spec.kind for g in plan.groups]
-    assert kinds.count("attention") == 1 and kinds[0] == "attention"
+    size = min(num_attention, num_mamba)
+    kinds = [g.kind for g in plan.groups]
+    assert kinds == ["full_attention"] * -(-num_attention // size) + ["mamba"] * -(
+        -num_mamba // size
+    )
+    assert [len(g.layer_names) for g in plan.attention_groups] == [
+        min(size, num_attention - i) for i in range(0, num_attention, size)
+    ]
     state = MambaSpec(plan.block_size, FakeMixer().state_shapes(), FakeMixer().state_dtypes())
     attention_page = plan.groups[0].spec.page_size_bytes
     assert state.page_size_bytes <= attention_page < 2 * state.page_size_bytes  # smallest fit
     assert plan.block_size > 16 and plan.block_size & (plan.block_size - 1) == 0
     assert {g.spec.page_size_bytes for g in plan.groups} == {attention_page}
-    # Every Mamba layer is in exactly one state group, none longer than the attention group.
-    names = [n for g in plan.state_groups for n in g.layer_names]
-    assert sorted(names) == sorted(mixers)
-    assert all(len(g.layer_names) <= num_attention for g in plan.state_groups)
-    assert plan.needs.num_state_groups == len(plan.state_groups)
+    # Every layer is in exactly one group, in model order within its kind.
+    names = [n for g in plan.groups for n in g.layer_names]
+    assert names == [*attention, *mixers]
     buffers = plan.buffers(5)
-    assert len(buffers.tensors) == max(num_attention, min(num_mamba, num_attention))
+    assert len(buffers.tensors) == size
+    assert buffers.tensors[0].shared_by == [g.layer_names[0] for g in plan.groups]
+    assert plan.bytes_per_block == size * attention_page
+    # One sequence holds a block per 16 tokens in each attention group, one per state group.
+    groups = len(plan.groups) - len(plan.state_groups)
+    assert plan.blocks_per_seq(plan.block_size + 1) == 2 * groups + len(plan.state_groups)
     assert all(
         layout.num_segments(5, plan.block_size, 2, 16) == 1 for layout in plan.layouts.values()
     )
+
+
+def test_local_and_global_layers_form_groups_that_share_buffers() -> None:
+    """Gemma-like: 11 local layers and 2 global ones. The rarer global kind sets the group
+    size (2 layers): 6 local groups, the last one short, and 2 buffers; no re-striding,
+    since no Mamba state shares a page."""
+    layers = {
+        f"layers.{i}": FakeAttention(sliding_window=None if i % 6 == 5 else 64) for i in range(13)
+    }
+    plan = plan_kv_cache(layers, {}, torch.float16, 16, "split")
+    assert [g.kind for g in plan.groups] == ["sliding_window"] * 6 + ["full_attention"]
+    assert [g.layer_names for g in plan.groups][-2:] == [["layers.12"], ["layers.5", "layers.11"]]
+    assert plan.groups[0].layer_names == ["layers.0", "layers.1"]
+    assert plan.block_size == 16 and {layout.name for layout in plan.layouts.values()} == {"split"}
+    buffers = plan.buffers(3)
+    assert [len(t.shared_by) for t in buffers.tensors] == [7, 6]
+    page = 2 * 16 * 2 * 16 * 2
+    assert plan.bytes_per_block == 2 * page
+    # A sequence of 1000 tokens computed 100 a step holds its whole length in the global
+    # group and the window's (64 + 100 tokens, and the block the window starts in) locally.
+    assert plan.blocks_per_seq(1000, 100) == 63 + 6 * (-(-(63 + 100) // 16) + 1)
+    assert plan.blocks_per_seq(10) == 7  # short: one block in each group
+    sizing = plan.group_sizing(1000, 100)
+    assert [s["max_blocks_per_seq"] for s in sizing] == [12] * 6 + [63]
+    assert sizing[-1]["bytes_per_block"] == 2 * page and sizing[-2]["bytes_per_block"] == page
+    assert sizing[-1]["max_bytes_per_seq"] == 63 * 2 * page
+    assert sizing[0]["spec"].startswith("SlidingWindowSpec(block_size=16")
+
+
+def test_attention_layers_of_different_page_sizes_are_refused() -> None:
+    local, full = FakeAttention(head_dim=16, sliding_window=8), FakeAttention(head_dim=32)
+    layers = {"local": local, "global": full}
+    with pytest.raises(ValueError, match=r"need one page size.*\[2048, 4096\] bytes"):
+        plan_kv_cache(layers, {}, torch.float16, 16, "split")
 
 
 def test_a_model_without_cache_layers_is_refused() -> None:

@@ -7,17 +7,13 @@ commit limit; bad options are refused by name."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from extkv.vmm.tensor import _shared_backend
-from helpers import assert_nothing_leaked, extkv_tokens
+from helpers import assert_nothing_leaked, commit_limit, extkv_tokens
 
 OPTIONS = dict(
     cpu_memory_budget_bytes=96 << 20,
@@ -69,18 +65,6 @@ def elastic(wide: Path) -> tuple[LLM, FakeClock]:
     clock = FakeClock()
     llm.engine.kv_policy.clock = clock
     return llm, clock
-
-
-@contextmanager
-def commit_limit(room_bytes: int) -> Iterator[None]:
-    """The process's host backend (every engine in it commits through it) may commit only
-    `room_bytes` more than it holds now, as a device whose memory others hold."""
-    backend = _shared_backend(torch.device("cpu"))
-    backend.commit_limit_bytes = backend.committed_bytes + room_bytes
-    try:
-        yield
-    finally:
-        backend.commit_limit_bytes = None
 
 
 def assert_whole_granules(llm: LLM) -> None:

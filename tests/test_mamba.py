@@ -169,7 +169,7 @@ def step_inputs(
         state_indices=torch.tensor([indices], **i32),  # one state group
         has_initial_state=torch.tensor(carry, dtype=torch.bool, device=device),
     )
-    context = ForwardContext(attention, mamba)
+    context = ForwardContext((attention,), mamba)
     return torch.cat(ids).to(device), torch.cat(positions).to(device), context
 
 
@@ -540,7 +540,7 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
         static[0].copy_(ids)
         static[1].copy_(positions)
         for name in ("slot_mapping", "context_lens", "block_tables"):
-            getattr(static[2].attention, name).copy_(getattr(context.attention, name))
+            getattr(static[2].attention[0], name).copy_(getattr(context.attention[0], name))
         for name in ("state_indices", "has_initial_state"):
             getattr(static[2].mamba, name).copy_(getattr(context.mamba, name))
         before = [t.clone() for t in caches]

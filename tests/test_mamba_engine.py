@@ -54,22 +54,22 @@ def test_hybrid_preemption_recomputes_the_state(bamba: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = tokens(LLM(bamba, **OPTIONS), PROMPTS, params)
     roomy = LLM(bamba, **OPTIONS)
-    needs = roomy.engine.runner.kv_plan.needs
-    assert needs.num_state_groups == 4 and needs.has_attention
+    plan = roomy.engine.runner.kv_plan
+    assert (len(plan.attention_groups), len(plan.state_groups)) == (1, 4)
     # Room for two sequences of one attention block each; the 30-token prompt grows
     # past its first block while another holds the rest, and is preempted.
-    assert roomy.engine.config.block_size < 30 + params.max_tokens
-    tight = LLM(bamba, num_gpu_blocks_override=2 * needs.blocks_for(1), **OPTIONS)
+    assert plan.block_size < 30 + params.max_tokens
+    tight = LLM(bamba, num_gpu_blocks_override=2 * plan.blocks_per_seq(1), **OPTIONS)
     assert tokens(tight, PROMPTS, params) == expected
     assert tight.engine.scheduler.num_preemptions > 0
-    assert tight.engine.block_manager.num_used_blocks == 0
+    assert tight.engine.block_manager.num_used_blocks_by_group == [0] * 5
 
 
 def test_pure_mamba_with_few_blocks_queues_requests(mamba2: Path) -> None:
     """One state block per sequence and two blocks: requests wait their turn."""
     expected = tokens(LLM(mamba2, **OPTIONS), PROMPTS)
     tight = LLM(mamba2, num_gpu_blocks_override=2, **OPTIONS)
-    assert tight.engine.runner.kv_plan.needs.blocks_for(10_000) == 1
+    assert tight.engine.runner.kv_plan.blocks_per_seq(10_000) == 1
     assert tokens(tight, PROMPTS) == expected
     assert tight.engine.block_manager.num_used_blocks == 0
 
@@ -92,16 +92,54 @@ def test_hybrid_shares_pages_and_extends(bamba: Path, caplog: pytest.LogCaptureF
     assert all(b.memory.num_segments == 1 for b in cache._buffers)
 
 
-@pytest.mark.parametrize("attention_layers", [[0, 1, 3, 4], [1, 2]])
-def test_hybrid_of_any_ratio_matches_transformers(
-    tmp_path: Path, attention_layers: list[int]
-) -> None:
-    """More attention layers than Mamba layers (4 + 1), and a ratio that leaves the last
-    Mamba group short (2 + 3): attention stays one group, so one block table."""
-    make_mamba_checkpoint(
-        tmp_path, "bamba", num_hidden_layers=5, attn_layer_indices=attention_layers
+# Six layers, attention at these indices, the rest Mamba: the rarer kind sets the group
+# size, so 5 + 1 is five one-layer attention groups (a table each) beside one state group,
+# 1 + 5 one attention group beside five state groups, and 2 + 4 groups of two.
+RATIOS = {
+    "5+1": ([0, 1, 2, 4, 5], ["full_attention"] * 5 + ["mamba"]),
+    "1+5": ([3], ["full_attention"] + ["mamba"] * 5),
+    "2+4": ([1, 4], ["full_attention"] + ["mamba"] * 2),
+}
+
+
+@pytest.fixture(scope="module", params=list(RATIOS))
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny six-layer Bamba of one of RATIOS, its groups' kinds, transformers' tokens."""
+    attention_layers, kinds = RATIOS[request.param]
+    path = tmp_path_factory.mktemp(f"bamba{request.param}")
+    make_mamba_checkpoint(path, "bamba", num_hidden_layers=6, attn_layer_indices=attention_layers)
+    expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+    assert len({tuple(t) for t in expected}) == len(expected)
+    return path, kinds, expected
+
+
+@pytest.mark.parametrize("extensible", [False, True], ids=["legacy", "extensible"])
+def test_hybrid_of_any_ratio_matches_transformers(hybrid, extensible: bool) -> None:
+    path, kinds, expected = hybrid
+    llm = LLM(path, enable_extensible_kv_cache=extensible, max_num_batched_tokens=8, **OPTIONS)
+    plan = llm.engine.runner.kv_plan
+    assert [g.kind for g in plan.groups] == kinds
+    size = len(plan.groups[-1].layer_names)
+    assert len(llm.engine.kv_cache.config.tensors) == size  # shared by position
+    assert tokens(llm, PROMPTS) == expected
+    blocks = llm.engine.block_manager
+    assert blocks.num_used_blocks_by_group == [0] * len(kinds) and blocks.num_used_blocks == 0
+    report = llm.memory_report()
+    assert [g["kind"] for g in report["kv_cache_groups"]] == kinds
+    assert sorted(n for g in report["kv_cache_groups"] for n in g["layers"]) == sorted(
+        n for g in plan.groups for n in g.layer_names
     )
-    llm = LLM(tmp_path, max_num_batched_tokens=8, **OPTIONS)
-    groups = llm.engine.runner.kv_plan.groups
-    assert [g.spec.kind for g in groups].count("attention") == 1
-    assert tokens(llm, PROMPTS) == hf_greedy(tmp_path, PROMPTS, GREEDY.max_tokens)
+
+
+def test_hybrid_groups_preempt_and_recompute(hybrid) -> None:
+    """Room for two short sequences: growing past its first attention block a sequence
+    needs one more in every attention group, so the youngest is preempted, freeing its
+    blocks in every group, and recomputed: the same tokens, nothing left held."""
+    path, kinds, _ = hybrid
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = tokens(LLM(path, **OPTIONS), PROMPTS, params)
+    plan = LLM(path, **OPTIONS).engine.runner.kv_plan
+    tight = LLM(path, num_gpu_blocks_override=2 * plan.blocks_per_seq(1), **OPTIONS)
+    assert tokens(tight, PROMPTS, params) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.block_manager.num_used_blocks_by_group == [0] * len(kinds)

@@ -228,8 +228,10 @@ def test_unknown_model_type_lists_the_supported(tmp_path: Path) -> None:
             "DeepseekV3ForCausalLM",
             "Gemma3ForCausalLM",
             "LlamaForCausalLM",
+            "LlavaForConditionalGeneration",
             "Mamba2ForCausalLM",
             "MistralForCausalLM",
+            "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
         ]
     )

@@ -16,8 +16,7 @@ from extkv.engine.block_manager import BlockManager
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.scheduler import Scheduler
 from extkv.engine.sequence import Sequence, SequenceStatus
-from extkv.kv_cache.plan import BlockNeeds
-from helpers import make_sequence
+from helpers import kv_groups, make_sequence
 
 BLOCK_SIZE = 4
 EOS = 0
@@ -77,7 +76,7 @@ def make_scheduler(
     max_model_len: int = 64,
     prefix_caching: bool = False,
 ) -> Scheduler:
-    blocks = BlockManager(num_blocks, BlockNeeds(BLOCK_SIZE), prefix_caching)
+    blocks = BlockManager(num_blocks, kv_groups(BLOCK_SIZE), prefix_caching)
     return Scheduler(blocks, max_num_seqs, max_num_batched_tokens, max_model_len, frozenset({EOS}))
 
 
@@ -95,9 +94,14 @@ def run_to_end(scheduler: Scheduler, max_steps: int = 1000) -> None:
     raise AssertionError(f"requests left after {max_steps} steps")
 
 
+def table(seq: Sequence) -> list[int]:
+    """`seq`'s block table (one full-attention group); empty while it holds no block."""
+    return seq.block_tables[0] if seq.block_tables else []
+
+
 def covers(seq: Sequence) -> bool:
     """Whether `seq` holds attention blocks for every token it has computed."""
-    return len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens
+    return len(table(seq)) * BLOCK_SIZE >= seq.num_computed_tokens
 
 
 # ---------------------------------------------------------------- steps
@@ -163,9 +167,9 @@ def test_the_youngest_is_preempted_and_recomputes_from_the_start() -> None:
     while scheduler.num_preemptions == 0:
         run_step(scheduler)
         assert len(a.output_token_ids) < 10, "no preemption"
-    assert (b.status, b.num_computed_tokens, b.block_table) == (SequenceStatus.WAITING, 0, [])
+    assert (b.status, b.num_computed_tokens, table(b)) == (SequenceStatus.WAITING, 0, [])
     assert list(scheduler.waiting) == [b, c] and scheduler.running == [a]
-    assert len(a.block_table) == 3 and covers(a)
+    assert len(table(a)) == 3 and covers(a)
     tokens_of_b = list(b.output_token_ids)  # kept: recomputing gives the same KV
     run_to_end(scheduler)
     assert b.output_token_ids[: len(tokens_of_b)] == tokens_of_b
@@ -199,7 +203,7 @@ def test_async_preempted_with_its_last_token_in_flight_finishes_from_the_queue()
         in_flight = run_async_step(scheduler, in_flight)
         assert len(a.output_token_ids) < 10, "no preemption"
     assert b.finish_reason == "length" and len(b.output_token_ids) == 6
-    assert b not in scheduler.waiting and b.block_table == [] and b.num_pending == 0
+    assert b not in scheduler.waiting and table(b) == [] and b.num_pending == 0
     assert scheduler.running == [a] and not scheduler.waiting
     while in_flight is not None or scheduler.has_unfinished():
         in_flight = run_async_step(scheduler, in_flight)
@@ -215,7 +219,7 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     run_step(scheduler)
     assert scheduler.block_manager.num_used_blocks == 2  # a's, b waits
     assert scheduler.abort("a") is a
-    assert (a.status, a.finish_reason, a.block_table) == (SequenceStatus.FINISHED, "abort", [])
+    assert (a.status, a.finish_reason, table(a)) == (SequenceStatus.FINISHED, "abort", [])
     assert scheduler.block_manager.num_used_blocks == 0 and a not in scheduler.running
     assert scheduler.abort("b", reason="error") is b
     assert b.finish_reason == "error" and not scheduler.waiting
@@ -262,19 +266,19 @@ def check_blocks(scheduler: Scheduler, seqs: list[Sequence]) -> None:
     cached block of one prefix; nothing is lost."""
     running = scheduler.running
     assert len(running) <= scheduler.max_num_seqs
-    holders = Counter(block for seq in running for block in seq.block_table)
+    holders = Counter(block for seq in running for block in table(seq))
     assert scheduler.block_manager.num_used_blocks == len(holders)
     prefixes: dict[int, set[tuple[int, ...]]] = {}
     for seq in running:
         assert seq.status == SequenceStatus.RUNNING and covers(seq)
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for i, block in enumerate(seq.block_table):
+        assert len(set(table(seq))) == len(table(seq))
+        for i, block in enumerate(table(seq)):
             prefixes.setdefault(block, set()).add(tuple(seq.token_ids[: (i + 1) * BLOCK_SIZE]))
     for block, count in holders.items():
         assert count == 1 or len(prefixes[block]) == 1, f"block {block}: {prefixes[block]}"
     for seq in seqs:
         if seq not in running:
-            assert seq.block_table == [] and seq.status != SequenceStatus.RUNNING
+            assert table(seq) == [] and seq.status != SequenceStatus.RUNNING
 
 
 OPS = st.lists(
@@ -289,28 +293,15 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    num_blocks=st.integers(4, 8),  # 4 hold one sequence of max_model_len 16
-    max_num_seqs=st.integers(1, 4),
-    extra_budget=st.integers(0, 20),
-    prefix_caching=st.booleans(),
-    async_scheduling=st.booleans(),
-    ops=OPS,
-)
-def test_random_runs_never_leak_and_always_end(
-    num_blocks: int,
-    max_num_seqs: int,
-    extra_budget: int,
-    prefix_caching: bool,
-    async_scheduling: bool,
+def run_ops(
+    scheduler: Scheduler,
     ops: list,
+    async_scheduling: bool,
+    check: Callable[[Scheduler, list[Sequence]], None],
 ) -> None:
-    """With asynchronous scheduling each step is launched before the tokens of the one
-    in flight are read, as the engine does by default."""
-    scheduler = make_scheduler(
-        num_blocks, max_num_seqs, max_num_seqs + extra_budget, 16, prefix_caching
-    )
+    """Add, step and abort as `ops` say, then step until every request has ended; `check`
+    after each op and step. With asynchronous scheduling each step is launched before
+    the tokens of the one in flight are read, as the engine does by default."""
     seqs: list[Sequence] = []
     aborted: set[str] = set()
     in_flight: list[Sequence] | None = None
@@ -336,12 +327,12 @@ def test_random_runs_never_leak_and_always_end(
             assert (scheduler.abort(seq.request_id) is None) == done
             if not done:
                 aborted.add(seq.request_id)
-        check_blocks(scheduler, seqs)
+        check(scheduler, seqs)
     for _ in range(1000):  # a bound, so a livelock fails instead of hanging
         if not (scheduler.has_unfinished() or in_flight):
             break
         step()
-        check_blocks(scheduler, seqs)
+        check(scheduler, seqs)
     assert not scheduler.has_unfinished(), "requests left after 1000 steps"
     assert scheduler.block_manager.num_used_blocks == 0
     for seq in seqs:
@@ -353,3 +344,84 @@ def test_random_runs_never_leak_and_always_end(
         else:
             assert seq.finish_reason == "length"
             assert len(seq.output_token_ids) == seq.params.max_tokens or len(seq) == 16
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    num_blocks=st.integers(4, 8),  # 4 hold one sequence of max_model_len 16
+    max_num_seqs=st.integers(1, 4),
+    extra_budget=st.integers(0, 20),
+    prefix_caching=st.booleans(),
+    async_scheduling=st.booleans(),
+    ops=OPS,
+)
+def test_random_runs_never_leak_and_always_end(
+    num_blocks: int,
+    max_num_seqs: int,
+    extra_budget: int,
+    prefix_caching: bool,
+    async_scheduling: bool,
+    ops: list,
+) -> None:
+    scheduler = make_scheduler(
+        num_blocks, max_num_seqs, max_num_seqs + extra_budget, 16, prefix_caching
+    )
+    run_ops(scheduler, ops, async_scheduling, check_blocks)
+
+
+GROUPS = {  # a full-attention group beside windows of 3 and 6 tokens, or Mamba state
+    "local_global": dict(windows=(3, 6)),
+    "hybrid": dict(mamba=2),
+    "window_mamba": dict(full=0, windows=(5,), mamba=1),
+}
+
+
+def check_groups(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    """Each group's count is what the running sequences' tables hold in it; no block is in
+    two tables; a sequence holds no more in a group than the plan's bound for it."""
+    manager = scheduler.block_manager
+    held: list[list[int]] = [[] for _ in manager.groups]
+    for seq in scheduler.running:
+        for index, (group, table) in enumerate(zip(manager.groups, seq.block_tables, strict=True)):
+            blocks = [b for b in table if b >= 0]
+            held[index] += blocks
+            assert len(blocks) <= group.max_blocks_per_seq(16, scheduler.max_num_batched_tokens)
+        lengths = [len(t) for g, t in zip(manager.groups, seq.block_tables, strict=True)]
+        per_token = {n for g, n in zip(manager.groups, lengths, strict=True) if g.per_token}
+        assert len(per_token) == 1  # the attention groups grow in lockstep
+        assert all(n == 1 for g, n in zip(manager.groups, lengths, strict=True) if not g.per_token)
+    every = [b for blocks in held for b in blocks]
+    assert len(every) == len(set(every))
+    assert manager.num_used_blocks_by_group == [len(blocks) for blocks in held]
+    for seq in seqs:
+        if seq not in scheduler.running:
+            assert seq.block_tables == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(list(GROUPS)),
+    extra_blocks=st.integers(0, 4),
+    max_num_seqs=st.integers(1, 4),
+    extra_budget=st.integers(0, 4),  # small steps: a window bounds what a sequence holds
+    async_scheduling=st.booleans(),
+    ops=OPS,
+)
+def test_random_runs_with_kv_cache_groups_never_leak_and_always_end(
+    kind: str,
+    extra_blocks: int,
+    max_num_seqs: int,
+    extra_budget: int,
+    async_scheduling: bool,
+    ops: list,
+) -> None:
+    """Groups that keep blocks differently, one pool as small as one sequence of
+    max_model_len needs (`KVCachePlan.blocks_per_seq`, a window group counting its window
+    and one step only): preemption frees every group's blocks, nothing livelocks."""
+    groups = kv_groups(BLOCK_SIZE, **GROUPS[kind])
+    budget = max_num_seqs + extra_budget
+    least = sum(group.max_blocks_per_seq(16, budget) for group in groups)
+    blocks = BlockManager(least + extra_blocks, groups)
+    scheduler = Scheduler(blocks, max_num_seqs, budget, 16, frozenset({EOS}))
+    run_ops(scheduler, ops, async_scheduling, check_groups)
+    assert blocks.num_used_blocks_by_group == [0] * len(groups)

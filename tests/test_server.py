@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from extkv import LLM, SamplingParams
 from extkv.cli import main
+from extkv.demo import make_random_checkpoint
 from extkv.engine.config import EngineConfig
-from extkv.serving import ServerSettings, build_app
+from extkv.serving.async_engine import GIL_SWITCH_INTERVAL_S
 from extkv.serving.prompts import PromptEncoder
 from helpers import children
 from live_server import (
@@ -31,7 +31,7 @@ from live_server import (
     MODEL,
     PROMPT,
     Server,
-    free_port,
+    serving,
 )
 
 GREEDY = dict(temperature=0, max_tokens=16)
@@ -238,28 +238,33 @@ def test_engine_failure_is_503_not_a_hang(checkpoints: tuple[Path, Path]) -> Non
         raise RuntimeError("boom")
 
     llm.engine.step = broken_step
-    app = build_app(
-        llm.engine, ServerSettings(MODEL, max_pending_requests=8, max_request_bytes=1024)
-    )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+    with serving(llm, bare=True, max_pending_requests=8, max_request_bytes=1024) as url:
         body = {"model": MODEL, "prompt": [1, 2, 3]}
         for stream in (False, True, False):
             response = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream})
             assert response.status_code == 503 and "boom" in response.json()["error"]["message"]
         assert httpx.get(f"{url}/health").status_code == 503
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-    assert not thread.is_alive()
+
+
+def test_a_model_without_tokenizer_streams_a_chunk_per_token(tmp_path: Path) -> None:
+    """Token ids in, token ids out: with no text to hold back, every step's token is a
+    chunk of its own (held to the end, a benchmark saw no inter-token latency at all)."""
+    model = make_random_checkpoint(tmp_path / "model", with_tokenizer=False)
+    llm = LLM(model, device="cpu", **ENGINE)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, **NO_EOS}
+    with serving(llm) as url:
+        # The engine thread hands the GIL over within a fraction of a step: no bursts.
+        assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S
+        whole = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+        events = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}).text
+    chunks = [
+        json.loads(line[6:])["choices"][0]
+        for line in events.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert [c["token_ids"] for c in chunks] == [[t] for t in whole["token_ids"]]
+    assert len(whole["token_ids"]) == 6 and chunks[-1]["finish_reason"] == "length"
+    llm.close()
 
 
 def test_closing_the_prompt_encoder_ends_and_reaps_its_processes(reference: LLM) -> None:

@@ -13,7 +13,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,9 +21,7 @@ import pytest
 from extkv import LLM
 from extkv.demo import make_random_checkpoint
 from extkv.engine.model_runner import ModelRunner
-from extkv.serving import ServerSettings
-from extkv.serving.app import make_server
-from live_server import ENGINE, MODEL, PROMPT, Server, running
+from live_server import ENGINE, MODEL, PROMPT, Server, running, serving
 
 ORIGIN = "https://app.example"
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
@@ -82,24 +79,6 @@ def test_metrics_show_the_cache_before_any_request(plain: Server) -> None:
 
 
 # --- a failed step, a dead engine ----------------------------------------------------
-
-
-@contextlib.contextmanager
-def serving(llm: LLM, **settings: object) -> Iterator[str]:
-    """`make_server` on a thread (an engine patched in-process); its URL."""
-    server = make_server(llm.engine, ServerSettings(MODEL, port=free_port(), **settings))
-    thread = threading.Thread(target=server.run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-    assert not thread.is_alive()
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.engine.errors import EngineDeadError
 from extkv.engine.workers import WorkerError
-from helpers import children
+from helpers import children, started_children
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 120], [17] * 3, list(range(30, 71)), [125, 3]]  # < Bamba's 128
@@ -64,13 +64,8 @@ def older_children() -> None:
 
 
 def child_pids() -> set[int]:
-    """The children started since the test began, but multiprocessing's resource tracker
-    (one per process, started with the first spawned child)."""
-    return {
-        pid
-        for pid, cmdline in children().items()
-        if b"resource_tracker" not in cmdline and pid not in _OLDER_CHILDREN
-    }
+    """The children started since the test began (see `started_children`)."""
+    return started_children(_OLDER_CHILDREN)
 
 
 def worker_pids() -> set[int]:

@@ -23,6 +23,7 @@ from extkv.vmm import (
     allocation_granularity,
     free_physical_bytes,
 )
+from extkv.vmm.granules import MAX_ALLOCATION_BYTES
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 MiB = 1 << 20
@@ -372,6 +373,34 @@ def test_shrink_without_memory_to_split_keeps_the_allocation_whole(
     buf.shrink_per_segment_(0)  # wholly outside now: released without a split
     assert buf.committed_bytes == backend.committed_bytes == 0
     buf.free()
+
+
+class _RecordsSplits(HostBackend):
+    """The host backend, noting the bytes each split would copy on CUDA (its kept pieces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept_bytes: list[int] = []
+
+    def unmap_part(self, address: int, size: int, handle: object, keep: list) -> list:
+        self.kept_bytes.append(sum(length for _, length in keep))
+        return super().unmap_part(address, size, handle, keep)
+
+
+def test_allocations_are_cut_at_the_grid_so_a_shrink_copies_at_most_one() -> None:
+    backend = _RecordsSplits()
+    g, grid = backend.granularity, MAX_ALLOCATION_BYTES
+    buf = ExtensibleTensor(4 * grid, "cpu", backend=backend, num_segments=2)
+    buf.resize_per_segment_(grid + grid // 2)  # segment 1 starts at 2 grid cells
+    # Segment 0: cells 0 and half of 1; segment 1: cell 2 and half of 3.
+    assert buf.num_allocations == 4
+    assert buf.committed_bytes == backend.committed_bytes == 3 * grid
+    buf.shrink_per_segment_(grid + 3 * g)
+    # Each segment's cut falls in one allocation, of which 3 granules stay (not 1.5 GiB).
+    assert backend.kept_bytes == [3 * g, 3 * g]
+    assert buf.committed_bytes == backend.committed_bytes == 2 * grid + 6 * g
+    buf.free()
+    assert backend.committed_bytes == 0
 
 
 def _granules_touched(prefix: int, segment: int, num_segments: int, g: int) -> int:

@@ -132,13 +132,14 @@ def make_random_checkpoint(
     tie_word_embeddings: bool = True,
     with_tokenizer: bool = True,
     vocab_size: int = 384,
-    num_hidden_layers: int = 2,
+    num_hidden_layers: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     **config_overrides: object,
 ) -> Path:
-    """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default, any
-    shape through `config_overrides` (e.g. QWEN3_0_6B_SHAPE)."""
+    """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default (2 layers, or
+    the architecture's own default), any shape through `config_overrides` (e.g.
+    QWEN3_0_6B_SHAPE)."""
     import transformers
 
     folder = Path(folder)
@@ -147,7 +148,7 @@ def make_random_checkpoint(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -164,13 +165,140 @@ def make_random_checkpoint(
             f"architecture must be one of {sorted(_ARCHITECTURES)}; got {architecture!r}"
         )
     config_name, model_name, defaults = _ARCHITECTURES[architecture]
-    config = getattr(transformers, config_name)(**{**common, **defaults, **config_overrides})
+    shape = {**common, **defaults, **config_overrides}
+    if num_hidden_layers is not None:  # also over an architecture's own default
+        shape["num_hidden_layers"] = num_hidden_layers
+    config = getattr(transformers, config_name)(**shape)
     model_class = getattr(transformers, model_name)
     torch.manual_seed(seed)
     model = model_class(config).to(dtype).eval()
     model.save_pretrained(folder)
     if with_tokenizer:
         train_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+IMAGE_TOKEN = "<image>"
+# A vision-language chat template in the llava-hf style: images first, then the text of a
+# message whose content is a list of parts.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}"
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part['text'] }}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+# Tiny vision towers: 28 x 28 images in 7 x 7 patches, 16 image tokens; the feature layer
+# reads the first of two layers (LLaVA's -2).
+_VISION_TOWERS: dict[str, tuple[str, str, dict[str, object]]] = {
+    "clip": ("CLIPVisionConfig", "default", {"projection_dim": 32}),
+    "siglip": ("SiglipVisionConfig", "full", {}),
+}
+# The shape of LLaVA-1.5-7B (CLIP ViT-L/14 at 336 pixels, 576 image tokens, Llama-2-7B),
+# for GPU benchmarks (random weights, no download).
+LLAVA_1_5_7B_SHAPE = dict(
+    vision=dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+    ),
+    text=dict(
+        vocab_size=32064,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+    ),
+)
+
+
+def make_random_llava(
+    folder: str | os.PathLike,
+    text_architecture: str = "llama",
+    vision: str = "clip",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    vision_overrides: dict[str, object] | None = None,
+    text_overrides: dict[str, object] | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Write a random LLaVA checkpoint (a `vision` tower, the projector, a text model of
+    `_ARCHITECTURES`) and its processor: the image processor and a tokenizer that has
+    IMAGE_TOKEN, with LLAVA_CHAT_TEMPLATE. Tiny by default (LLAVA_1_5_7B_SHAPE's parts
+    through the overrides make it large; `device` "cuda" then builds it fast)."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    vision_name, strategy, vision_defaults = _VISION_TOWERS[vision]
+    vision_config = getattr(transformers, vision_name)(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 28,
+            "patch_size": 7,
+            **vision_defaults,
+            **(vision_overrides or {}),
+        }
+    )
+    config_name, _, text_defaults = _ARCHITECTURES[text_architecture]
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+        initializer_range=0.3,  # see make_random_checkpoint
+        **text_defaults,
+    )
+    text_config = getattr(transformers, config_name)(**{**text, **(text_overrides or {})})
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    config = transformers.LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_id=image_token_id,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=-2,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+    model.save_pretrained(folder)
+    size = vision_config.image_size
+    if vision == "clip":
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        )
+    else:
+        images = transformers.SiglipImageProcessor(size={"height": size, "width": size})
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=vision_config.patch_size,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1 if vision == "clip" else 0,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
     return folder
 
 

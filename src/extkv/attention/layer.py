@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # each query sees its last this many tokens
+        self.kv_group = 0  # the step's attention metadata this layer reads (its KV cache group)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -58,7 +59,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """qkv (T, (num_heads + 2 num_kv_heads) * head_dim), positions (T,), the rotary
         table (max_position, rotary_dim) -> (T, num_heads * head_dim)."""
-        metadata = get_forward_context().attention
+        metadata = get_forward_context().attention[self.kv_group]
         q_weight, k_weight, eps = qk_norm or (None, None, 0.0)
         prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
         if self.k_cache.numel() == 0:

@@ -2,9 +2,10 @@
 
 The model runner builds one `ForwardContext` per step and publishes it with
 `set_forward_context`; layers read it with `get_forward_context` and take their
-own kind's part (attention layers `.attention`, Mamba mixers `.mamba`), so model
-code stays free of paging details (the nano-vllm pattern) and a new kind of
-layer adds its own metadata without touching the others'.
+own kind's part (attention layers `.attention[kv_group]`, the metadata of their KV
+cache group; Mamba mixers `.mamba`), so model code stays free of paging details (the
+nano-vllm pattern) and a new kind of layer adds its own metadata without touching the
+others'.
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ class MambaMetadata:
 
 @dataclass
 class ForwardContext:
-    """One step's metadata, one part per kind of layer (None: the step has no such part)."""
+    """One step's metadata, one part per kind of layer (None: the step has no such part).
 
-    attention: AttentionMetadata
+    `attention` has one entry per attention KV cache group (a layer reads the entry its
+    `kv_group` names): the groups share everything but their slots and block tables."""
+
+    attention: tuple[AttentionMetadata, ...]
     mamba: MambaMetadata | None = None
 
     @classmethod
-    def packed_prefill(cls, lengths: list[int], device: torch.device | str) -> ForwardContext:
+    def packed_prefill(
+        cls, lengths: list[int], device: torch.device | str, num_attention_groups: int = 1
+    ) -> ForwardContext:
         """A prefill of whole sequences of these lengths, written to no cache: what the
         profiling run (and a test of a model without its KV cache) feeds the layers."""
         cu = [0]
@@ -81,7 +87,10 @@ class ForwardContext:
             max_seqlen_q=max(lengths),
             max_context_len=max(lengths),
         )
-        return cls(attention, MambaMetadata(is_prefill=True, cu_seqlens_q=cu_seqlens))
+        return cls(
+            (attention,) * num_attention_groups,
+            MambaMetadata(is_prefill=True, cu_seqlens_q=cu_seqlens),
+        )
 
 
 _context: ForwardContext | None = None

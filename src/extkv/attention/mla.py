@@ -64,6 +64,7 @@ class MLAAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.head_dim = kv_lora_rank + qk_rope_head_dim  # one cache row
         self.scale = scale
+        self.kv_group = 0  # the step's attention metadata this layer reads (its KV cache group)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -73,7 +74,7 @@ class MLAAttention(nn.Module):
         """query (T, H, qk_nope + qk_rope) rotated; latent (T, kv_lora_rank + qk_rope), the
         normed latent then the rotated key; kv_b_weight (H * (qk_nope + v_head_dim),
         kv_lora_rank), kv_b_proj's -> (T, H * v_head_dim)."""
-        metadata = get_forward_context().attention
+        metadata = get_forward_context().attention[self.kv_group]
         if self.k_cache.numel() == 0:
             q, k, v = _same_head_dim(query, *self._up_project(latent, kv_b_weight))
             out = varlen_attention(q, k, v, metadata.cu_seqlens_q, self.scale)

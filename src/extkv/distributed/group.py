@@ -74,19 +74,27 @@ class TPGroup:
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size[0] = data.numel()
-        self._broadcast(size, timeout)
+        self._broadcast(self.control_group, size, timeout)
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self._broadcast(data, timeout)
+        self._broadcast(self.control_group, data, timeout)
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
-    def _broadcast(self, t: torch.Tensor, timeout: datetime.timedelta | None) -> None:
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into `x` on every rank (contiguous, of one shape and dtype on all),
+        over the device group: e.g. weights the driver was given, on every device."""
+        if self.size > 1:
+            self._broadcast(self.device_group, x.view(-1).view(torch.uint8), None)
+        return x
+
+    @staticmethod
+    def _broadcast(group: Backend, t: torch.Tensor, timeout: datetime.timedelta | None) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         if timeout is not None:
             opts.timeout = timeout
-        _run(self.control_group.broadcast, [t], opts)
+        _run(group.broadcast, [t], opts)
 
     def abort(self) -> None:
         """Make a collective that waits on a dead rank fail instead of hanging. Gloo

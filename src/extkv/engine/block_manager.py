@@ -1,24 +1,23 @@
-"""Hands out KV cache blocks to sequences from one pool.
+"""Hands out KV cache blocks to sequences from one pool, one block table per KV cache group.
 
-A sequence holds attention blocks (`block_size` tokens each) for its block
-table and, in models with recurrent (Mamba) layers, one state block per
-recurrent group, whatever its length. In hybrid models both kinds come from the
-same buffers, so one pool serves them and a block is one kind at a time.
+Each group (extkv.kv_cache.groups) counts its own blocks: an attention group holds a
+block per `block_size` tokens, a recurrent (Mamba) group one state block whatever the
+length, and a sliding-window group releases the leading blocks that no later query sees
+as the sequence runs (their entries become NO_BLOCK, so positions keep their index), so
+a long generation holds a window's worth of blocks there while a full-attention group
+keeps them all. All groups draw from one pool, a block belonging to one group at a time.
 
-With a sliding window, a sequence's leading blocks that no later query sees are
-released as it runs: their table entries become NO_BLOCK (positions keep their
-index), so a long generation holds a window's worth of blocks.
+With prefix caching (a model of one full-attention group), a full block whose KV has
+been computed is remembered by its content (its tokens, the images whose embeddings some
+of its placeholder tokens stand for, and everything before them). A new sequence
+starting with the same tokens takes those blocks instead of computing them again; blocks
+are shared by reference count. A freed block keeps its content until the pool hands it
+out again, least recently freed first.
 
-With prefix caching, a full attention block whose KV has been computed is
-remembered by its content (its tokens and everything before them). A new
-sequence starting with the same tokens takes those blocks instead of computing
-them again; blocks are shared by reference count. A freed block keeps its
-content until the pool hands it out again, least recently freed first.
-
-The pool can be resized between steps (the KV cache grown or shrunk while
-serving): growing adds free blocks; shrinking drops the free blocks past the new
-end and moves each held one there to a free block below it, its cached content
-too, returning the moves for the caller to copy and to rewrite tables with.
+The pool can be resized between steps (the KV cache grown or shrunk while serving):
+growing adds free blocks; shrinking drops the free blocks past the new end and moves
+each held one there to a free block below it, its cached content too, returning the
+moves for the caller to copy and to rewrite every group's tables with.
 """
 
 from __future__ import annotations
@@ -26,32 +25,39 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from extkv.engine.sequence import Sequence
-from extkv.kv_cache.plan import BlockNeeds
+from extkv.kv_cache.groups import KVCacheGroup
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the prefix before the block, its tokens)
-NO_BLOCK = -1  # a released block's table entry: never read (it is out of every window)
+# (hash of the prefix before the block, its tokens, the hashes of the images it holds part of)
+BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
+NO_BLOCK = -1  # a released block's table entry: never read (it is out of its group's window)
 
 
 class BlockManager:
     """The pool of KV cache blocks: which sequence holds which, and (with prefix
     caching) which computed blocks can be shared."""
 
-    def __init__(self, num_blocks: int, needs: BlockNeeds, prefix_caching: bool = False) -> None:
-        if prefix_caching and needs.num_state_groups:
-            raise ValueError(
-                "enable_prefix_caching needs a model without Mamba layers: a recurrent "
-                "state sums up the whole prefix and cannot be shared block by block"
-            )
-        if prefix_caching and needs.sliding_window is not None:
-            raise ValueError(
-                "enable_prefix_caching needs a model without sliding-window attention: "
-                "its sequences release the blocks a cached prefix would be made of"
-            )
+    def __init__(
+        self, num_blocks: int, groups: Seq[KVCacheGroup], prefix_caching: bool = False
+    ) -> None:
+        if not groups:
+            raise ValueError("groups must name at least one KV cache group")
+        block_sizes = {group.spec.block_size for group in groups}
+        if len(block_sizes) != 1:
+            raise ValueError(f"groups must share one block_size, got {sorted(block_sizes)}")
+        if prefix_caching:
+            _check_prefix_caching(groups)
         self.num_blocks = num_blocks
-        self.needs = needs
+        self.groups = tuple(groups)
+        self.block_size = block_sizes.pop()
         self.prefix_caching = prefix_caching
+        # The sliding-window groups, by index: where `release_out_of_window` looks.
+        self.windowed = [i for i, group in enumerate(groups) if group.sliding_window is not None]
+        # Every attention group's table has one length (they all grow with the tokens):
+        # one of them tells whether a sequence's tokens fit the blocks it holds.
+        self._token_group = next((i for i, group in enumerate(groups) if group.per_token), None)
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: oldest first
         self._refs = [0] * num_blocks
+        self._used_by_group = [0] * len(groups)
         self._cached: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
@@ -62,19 +68,23 @@ class BlockManager:
         """Blocks some sequence holds now; free blocks that still cache content do not count."""
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_used_blocks_by_group(self) -> list[int]:
+        """Blocks held now in each group, in the order of `groups`."""
+        return list(self._used_by_group)
+
     # --- prefix caching ------------------------------------------------------------------
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks a fresh `seq` could start with; at least its last token is left
         to compute, since its logits are needed."""
-        if not self.prefix_caching or seq.block_table:
+        if not self.prefix_caching or seq.block_tables:
             return []
-        size = self.needs.block_size
+        size = self.block_size
         blocks: list[int] = []
         parent = 0
         for start in range(0, len(seq) - 1 - size + 1, size):
-            key = (parent, tuple(seq.token_ids[start : start + size]))
-            block = self._cached.get(key)
+            block = self._cached.get(key := _block_key(seq, parent, start, size))
             if block is None:
                 break
             blocks.append(block)
@@ -84,9 +94,9 @@ class BlockManager:
     def reuse(self, seq: Sequence, blocks: Seq[int]) -> None:
         """Give `seq` the cached `blocks` as its first ones: their tokens count as computed."""
         for block in blocks:
-            self._take(block)
-        seq.block_table = list(blocks)
-        seq.num_computed_tokens = len(blocks) * self.needs.block_size
+            self._take(block, 0)
+        seq.block_tables, seq.num_released_blocks = [list(blocks)], [0]
+        seq.num_computed_tokens = len(blocks) * self.block_size
         self.num_cached_tokens += seq.num_computed_tokens
         self._peak_used = max(self._peak_used, self.num_used_blocks)
         self.remember_computed(seq)
@@ -96,17 +106,23 @@ class BlockManager:
         content; `seq.block_hashes` carries the chain, so each block is hashed once."""
         if not self.prefix_caching:
             return
-        size = self.needs.block_size
+        size = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         for i in range(len(seq.block_hashes), known // size):
-            key = (parent, tuple(seq.token_ids[i * size : (i + 1) * size]))
-            block = seq.block_table[i]
+            key = _block_key(seq, parent, i * size, size)
+            block = seq.block_tables[0][i]
             if key not in self._cached and block not in self._key_of:
                 self._cached[key] = block
                 self._key_of[block] = key
             parent = hash(key)
             seq.block_hashes.append(parent)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the KV they hold is stale, e.g. new weights came);
+        the blocks themselves stay where they are, free or held."""
+        self._cached.clear()
+        self._key_of.clear()
 
     # --- resizing ------------------------------------------------------------------------
 
@@ -155,9 +171,20 @@ class BlockManager:
     # --- allocation ----------------------------------------------------------------------
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` still lacks to hold its first `num_tokens` tokens."""
-        held = len(seq.block_table) + len(seq.state_blocks)
-        return max(self.needs.blocks_for(num_tokens) - held, 0)
+        """Blocks `seq` still lacks, over all groups, to hold its first `num_tokens` tokens."""
+        tables = seq.block_tables or [[]] * len(self.groups)
+        return sum(
+            max(group.blocks_for(num_tokens) - len(table), 0)
+            for group, table in zip(self.groups, tables, strict=True)
+        )
+
+    def holds(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s blocks already hold `num_tokens` tokens in every group: the quick
+        test of a decode step, which mostly needs no new block."""
+        if not seq.block_tables:
+            return False
+        group = self._token_group
+        return group is None or num_tokens <= len(seq.block_tables[group]) * self.block_size
 
     def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> int:
         """Free blocks the pool lacks for `seq` (about to take the cached `reusing` blocks)
@@ -178,55 +205,60 @@ class BlockManager:
         return peak
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give `seq` the blocks it lacks for `num_tokens` tokens; raises if too few are free."""
+        """Give `seq` the blocks it lacks, in every group, for `num_tokens` tokens; raises if
+        too few are free (and then takes none)."""
         missing = self.blocks_missing(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"{missing} blocks needed, {len(self._free)} free")
-        groups = self.needs.num_state_groups
-        if groups and not seq.state_blocks:
-            seq.state_blocks = [self._take_free() for _ in range(groups)]
-            missing -= groups
-        seq.block_table.extend(self._take_free() for _ in range(missing))
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.groups]
+            seq.num_released_blocks = [0] * len(self.groups)
+        for index, (group, table) in enumerate(zip(self.groups, seq.block_tables, strict=True)):
+            new = group.blocks_for(num_tokens) - len(table)
+            table.extend(self._take_free(index) for _ in range(new))
         self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """With a sliding window, free `seq`'s leading blocks that its next query (at
+        """In each sliding-window group, free `seq`'s leading blocks that its next query (at
         `num_computed_tokens`) and every later one no longer see. A step already launched
         may still read them, but whatever reuses them writes in a later step."""
-        window = self.needs.sliding_window
-        if window is None:
-            return
-        first_seen = max(seq.num_computed_tokens - window + 1, 0) // self.needs.block_size
-        first_seen = min(first_seen, len(seq.block_table))
-        for i in range(seq.num_released_blocks, first_seen):
-            self._drop(seq.block_table[i])
-            seq.block_table[i] = NO_BLOCK
-        seq.num_released_blocks = max(seq.num_released_blocks, first_seen)
+        for index in self.windowed:
+            table = seq.block_tables[index]
+            released = seq.num_released_blocks[index]
+            out = self.groups[index].num_out_of_window(seq.num_computed_tokens)
+            first_seen = min(out, len(table))
+            for i in range(released, first_seen):
+                self._drop(table[i], index)
+                table[i] = NO_BLOCK
+            seq.num_released_blocks[index] = max(released, first_seen)
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s hold on its blocks; one left unheld is free but keeps its cached content."""
-        held = seq.block_table[seq.num_released_blocks :]
-        for block in (*held, *seq.state_blocks):
-            self._drop(block)
-        seq.block_table = []
-        seq.num_released_blocks = 0
-        seq.state_blocks = []
+        """Drop `seq`'s hold on its blocks in every group; one left unheld is free but keeps
+        its cached content."""
+        for index, table in enumerate(seq.block_tables):
+            for block in table[seq.num_released_blocks[index] :]:
+                self._drop(block, index)
+        seq.block_tables = []
+        seq.num_released_blocks = []
         seq.block_hashes = []
 
-    def _drop(self, block: int) -> None:
+    def _drop(self, block: int, group: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
             self._free[block] = None  # keeps its content until handed out again
+            self._used_by_group[group] -= 1
 
-    def _take(self, block: int) -> None:
+    def _take(self, block: int, group: int) -> None:
         self._free.pop(block, None)
         self._refs[block] += 1
+        if self._refs[block] == 1:
+            self._used_by_group[group] += 1
 
-    def _take_free(self) -> int:
-        """The least recently freed block; whatever it held is forgotten."""
+    def _take_free(self, group: int) -> int:
+        """The least recently freed block, for `group`; whatever it held is forgotten."""
         block = next(iter(self._free))
         self._forget(block)
-        self._take(block)
+        self._take(block, group)
         return block
 
     def _forget(self, block: int) -> None:
@@ -234,3 +266,29 @@ class BlockManager:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._cached[key]
+
+
+def _check_prefix_caching(groups: Seq[KVCacheGroup]) -> None:
+    """Prefix caching shares blocks of one full-attention table; refuse models without one."""
+    kinds = {group.kind for group in groups}
+    if "mamba" in kinds:
+        raise ValueError(
+            "enable_prefix_caching needs a model without Mamba layers: a recurrent "
+            "state sums up the whole prefix and cannot be shared block by block"
+        )
+    if "sliding_window" in kinds:
+        raise ValueError(
+            "enable_prefix_caching needs a model without sliding-window attention: "
+            "its sequences release the blocks a cached prefix would be made of"
+        )
+    if len(groups) > 1:
+        raise ValueError(
+            f"enable_prefix_caching needs a model of one KV cache group, this one has "
+            f"{len(groups)} ({', '.join(sorted(kinds))})"
+        )
+
+
+def _block_key(seq: Sequence, parent: int, start: int, size: int) -> BlockKey:
+    """The key of `seq`'s block of tokens [start, start + size) after the prefix `parent`."""
+    images = tuple(image.hash for image in seq.images_in(start, start + size))
+    return parent, tuple(seq.token_ids[start : start + size]), images

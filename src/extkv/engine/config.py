@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from extkv.engine.multimodal import check_limit_mm_per_prompt
 from extkv.models.hf_config import resolve_model
 from extkv.options import Bool, Choice, Custom, Float, Int, check_options, option, required
 from extkv.vmm import resolve_device
@@ -28,15 +29,20 @@ KV_CACHE_POLICIES = ("static", "elastic")
 
 
 def _resolve_engine_device(device: object) -> torch.device:
-    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it."""
+    """None picks CUDA when there is one; anything else as ExtensibleTensor takes it. A
+    CUDA device always gets its index (the current device for a bare "cuda"): the engine's
+    threads and workers select it by index, and torch's set_device refuses one without."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(
             f"device={device!r} asks for CUDA, but no CUDA device is visible; pass "
             "device='cpu' (--device cpu on the command line) to run on the CPU"
         )
-    return resolve_device(device)
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def _resolve_dtype(dtype: object) -> torch.dtype | None:
@@ -56,6 +62,15 @@ def _model_source(model: object) -> str:
     except (OSError, ImportError, ValueError) as e:
         raise ValueError(str(e)) from None
     return os.fspath(model)
+
+
+def _media_folder(path: object) -> str | None:
+    """None, or an existing folder, made absolute with its links resolved."""
+    if path is None:
+        return None
+    if not isinstance(path, str | os.PathLike) or not os.path.isdir(path):
+        raise ValueError(f"allowed_local_media_path must be an existing folder; got {path!r}")
+    return os.path.realpath(path)
 
 
 @dataclass
@@ -148,6 +163,17 @@ class EngineConfig:
         "elastic policy: seconds KV cache blocks stay unused before their memory goes back",
         Float(0, above_minimum=True),
     )
+    limit_mm_per_prompt: dict[str, int] | None = option(
+        None,
+        "most images one prompt may carry, as {'image': N} (command line: image=N); None: "
+        "as many as max_model_len holds",
+        Custom(check_limit_mm_per_prompt, "image=N with N an int >= 0", "image=N"),
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        "a folder whose image files chat messages may name as file:// URLs (None: no local files)",
+        Custom(_media_folder, "an existing folder", "FOLDER"),
+    )
     worker_heartbeat_timeout: float = option(
         30.0,
         "seconds a tensor-parallel worker may go silent before the engine gives it up",
@@ -175,10 +201,6 @@ class EngineConfig:
                 "enable_sleep_mode needs enable_extensible_kv_cache=True (or 'auto'): sleep "
                 "gives back the KV cache's memory under addresses the CUDA graphs keep"
             )
-        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_sleep_mode needs tensor_parallel_size=1 (the workers cannot sleep yet)"
-            )
         if self.kv_cache_policy == "elastic" and self.enable_extensible_kv_cache is False:
             raise ValueError(
                 "kv_cache_policy='elastic' needs enable_extensible_kv_cache=True (or 'auto'): it "
@@ -186,8 +208,8 @@ class EngineConfig:
             )
         if self.kv_cache_policy == "elastic" and self.tensor_parallel_size > 1:
             raise ValueError(
-                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (the workers cannot "
-                "resize yet)"
+                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (after a refused grow "
+                "it watches only the driver's free memory, not the workers')"
             )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1
@@ -196,16 +218,14 @@ class EngineConfig:
                 "async_scheduling=True needs tensor_parallel_size=1: the workers take each "
                 "step's input tokens from the host, which async scheduling has not got yet"
             )
-        if self.device.type == "cuda" and self.tensor_parallel_size > 1:
-            first = self.device.index
-            self.device = torch.device(
-                "cuda", torch.cuda.current_device() if first is None else first
+        if (
+            self.device.type == "cuda"
+            and self.device.index + self.tensor_parallel_size > torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
+                f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
             )
-            if self.device.index + self.tensor_parallel_size > torch.cuda.device_count():
-                raise ValueError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} needs one CUDA device "
-                    f"per rank from {self.device} on; {torch.cuda.device_count()} are visible"
-                )
 
     def finalize(self, max_position_embeddings: int | None) -> None:
         """Fill the defaults that depend on the model (None: it has no position limit)."""

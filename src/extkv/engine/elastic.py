@@ -10,25 +10,39 @@ move, their contents copied on every layer and their table entries and prefix
 cache entries rewritten; then the tail's memory goes back, whole granules of it.
 
 Sleep (`enable_sleep_mode`, an idle engine): level 1 gives back the KV cache's
-memory and moves the weights to host memory; level 2 drops the weights too, and
-waking reads them from the checkpoint again. `wake_up` maps both back under the
-same addresses, the KV cache zeroed and its prefix cache empty (what it named is
-gone: no stale hits after wake).
+memory and moves the weights to host memory; level 2 drops the weights too.
+`wake_up` maps both back under the same addresses, the KV cache zeroed and its
+prefix cache empty (what it named is gone: no stale hits after wake). After level
+2, waking the weights maps their memory back but fills no parameter yet: that is
+left to `load_weights` (new weights, as in an RL loop), and when the engine is
+fully awake without them, the checkpoint is read again.
+
+`load_weights` takes (name, tensor) pairs, the checkpoint's names, checks them all
+first and copies them into the parameters in place (same addresses: the graphs
+stay valid); the prefix cache is emptied, as its blocks hold the old weights' KV.
+
+Under tensor parallelism every rank does each of these in lockstep: the decisions
+are taken here once, on the driver, and applied by every rank through
+extkv.engine.rank_memory.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
+
+import torch
 
 from extkv.engine.config import EngineConfig
 from extkv.engine.errors import EngineAsleepError, EngineStateError
 from extkv.engine.model_runner import ModelRunner
+from extkv.engine.rank_memory import RankCall, RankMemory
 from extkv.engine.scheduler import Scheduler
 from extkv.kv_cache import KVCache
-from extkv.models.loader import reload_weights
+from extkv.models.loader import check_weights
 from extkv.options import Choice, Int
 
 logger = logging.getLogger(__name__)
@@ -58,21 +72,47 @@ class KVCacheResize:
 
 
 class ElasticMemory:
-    """Resizes the KV cache and puts the weights and the KV cache to sleep and back; the
-    engine calls it between steps (and only when idle, for sleep)."""
+    """Resizes the KV cache, puts the weights and the KV cache to sleep and back, and loads
+    new weights; the engine calls it between steps (and only when idle, for sleep and
+    load_weights). `ranks` guards every use of the tensor-parallel workers
+    (`Workers.guard`)."""
 
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCache, scheduler: Scheduler
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv_cache: KVCache,
+        scheduler: Scheduler,
+        ranks: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv_cache = kv_cache
         self.scheduler = scheduler
+        self.rank = RankMemory(runner, kv_cache)
+        self._ranks = ranks
         self.num_grows = 0
         self.num_shrinks = 0
         self.sleep_level = 0  # 0: awake
         self._asleep: set[str] = set()  # of TAGS
         self._kv_blocks = 0  # what the KV cache had when it went to sleep
+        self._parameters_unloaded = False  # level 2: woken, not filled yet
+        self.num_blocks_per_rank: list[int] = []  # for `status`, kept by `_measure_ranks`
+        self.committed_bytes_per_rank: list[int] = []
+        self._measure_ranks()
+
+    def _measure_ranks(self) -> None:
+        """Take every rank's KV cache size (after every change to it)."""
+        sizes = self._on_every_rank("kv_cache_sizes")
+        self.num_blocks_per_rank, self.committed_bytes_per_rank = sizes
+
+    def _on_every_rank(self, method: str, *args: object, **driver_only: object) -> object:
+        """Run `RankMemory.<method>(*args)` on every rank (`driver_only`: on the driver, which
+        sends what the others need); the driver's result."""
+        with self._ranks():
+            if self.runner.tp.size > 1:
+                self.runner.tp.broadcast_object(RankCall(method, args))
+            return getattr(self.rank, method)(*args, **driver_only)
 
     @property
     def asleep(self) -> frozenset[str]:
@@ -82,7 +122,7 @@ class ElasticMemory:
     @property
     def min_blocks(self) -> int:
         """Blocks one sequence of max_model_len tokens needs: no resize goes below."""
-        return self.runner.kv_plan.needs.blocks_for(self.config.max_model_len)
+        return self.runner.min_blocks
 
     # --- resizing ------------------------------------------------------------------------
 
@@ -97,10 +137,6 @@ class ElasticMemory:
             raise EngineStateError(
                 "resize_kv_cache needs the extensible KV cache (enable_extensible_kv_cache=True); "
                 "this one was allocated whole"
-            )
-        if self.runner.tp.size > 1:
-            raise EngineStateError(
-                "resize_kv_cache needs tensor_parallel_size=1 (the workers cannot resize yet)"
             )
         self.check_awake("resize_kv_cache")
         if memory_bytes is not None:
@@ -126,16 +162,17 @@ class ElasticMemory:
         previous = self.scheduler.block_manager.num_blocks
         moves, preempted = {}, 0
         if target > previous:
-            reached = self.kv_cache.extend(target)
+            reached = self._grow(target)
             self.scheduler.resize(reached)
             self.num_grows += reached > previous
         elif target < previous:
             moves, preempted = self.scheduler.resize(target)
-            self.kv_cache.copy_blocks(moves)
-            reached = self.kv_cache.shrink(target)
+            self._on_every_rank("shrink_kv_cache", target, moves)
+            reached = target
             self.num_shrinks += 1
         else:
             reached = target
+        self._measure_ranks()
         return KVCacheResize(
             num_blocks=reached,
             requested_blocks=target,
@@ -147,6 +184,18 @@ class ElasticMemory:
             seconds=time.perf_counter() - start,
         )
 
+    def _grow(self, num_blocks: int) -> int:
+        """Grow every rank's KV cache towards `num_blocks`; the count they all reached."""
+        reached = self._on_every_rank("grow_kv_cache", num_blocks)
+        if len(set(reached)) > 1:
+            logger.info(
+                "KV cache grow to %d blocks: the ranks reached %s; every rank keeps %d.",
+                num_blocks,
+                reached,
+                min(reached),
+            )
+        return min(reached)
+
     def status(self) -> dict[str, object]:
         """The KV cache now: committed, capacity, in use, resizes so far, what sleeps."""
         blocks = self.scheduler.block_manager
@@ -155,12 +204,16 @@ class ElasticMemory:
             "num_blocks": blocks.num_blocks,
             "num_blocks_capacity": self.kv_cache.capacity_blocks,
             "num_blocks_used": blocks.num_used_blocks,
+            "num_blocks_used_by_group": blocks.num_used_blocks_by_group,
             "min_blocks": self.min_blocks,
             "bytes_per_block": self.runner.kv_plan.bytes_per_block,
             "committed_bytes": self.kv_cache.committed_bytes,
+            "num_blocks_per_rank": self.num_blocks_per_rank,
+            "committed_bytes_per_rank": self.committed_bytes_per_rank,
             "reserved_bytes": self.kv_cache.reserved_bytes,
             "num_resizes": {"grow": self.num_grows, "shrink": self.num_shrinks},
             "asleep": sorted(self._asleep),
+            "weights_loaded": not self._parameters_unloaded,
         }
 
     # --- sleep and wake ------------------------------------------------------------------
@@ -178,9 +231,10 @@ class ElasticMemory:
         kv_bytes, weight_bytes = self.kv_cache.committed_bytes, weights.committed_bytes
         self._kv_blocks = self.scheduler.block_manager.num_blocks
         self.scheduler.resize(0)  # idle: nothing moves; the prefix cache goes with its blocks
-        self.kv_cache.shrink(0)
+        self._on_every_rank("sleep_kv_cache")
         self._asleep, self.sleep_level = {KV_CACHE}, level  # wakeable should the next fail
-        weights.offload(keep_parameters=level == 1)
+        self._measure_ranks()
+        self._on_every_rank("sleep_weights", level)
         self._asleep.add(WEIGHTS)
         logger.info(
             "Sleeping (level %d): gave back %.3f GiB of KV cache and %.3f GiB of weights "
@@ -188,13 +242,15 @@ class ElasticMemory:
             level,
             kv_bytes / GiB,
             weight_bytes / GiB,
-            "kept in host memory" if level == 1 else "dropped: wake_up reads the checkpoint",
+            "kept in host memory" if level == 1 else "dropped",
             time.perf_counter() - start,
         )
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Map back what `tags` name ("weights", "kv_cache"; None: both) under the same
-        addresses; waking what is awake does nothing."""
+        addresses; waking what is awake does nothing. After level 2 the parameters are
+        filled once the engine is fully awake: from the checkpoint, unless `load_weights`
+        filled them in between."""
         if tags is None:
             tags = TAGS
         elif isinstance(tags, str) or not all(t in TAGS for t in tags):
@@ -202,30 +258,72 @@ class ElasticMemory:
         start = time.perf_counter()
         woken = [t for t in TAGS if t in tags and t in self._asleep]
         if WEIGHTS in woken:
-            model = self.runner.model
-            config = self.config
-            self.runner.weights.restore(
-                lambda: reload_weights(model, config.model, config.dtype, config.device)
-            )
+            # Level 2 leaves the parameters to fill (level 1 as they were when it slept).
+            self._parameters_unloaded |= self._on_every_rank("wake_weights")
+            self._asleep.discard(WEIGHTS)
         if KV_CACHE in woken:
-            reached = self.kv_cache.extend(self._kv_blocks)
+            reached = self._on_every_rank("wake_kv_cache", self._kv_blocks, self.min_blocks)
             if reached < self.min_blocks:
-                self.kv_cache.shrink(0)
                 raise EngineStateError(
                     f"not enough memory to wake the KV cache: {reached} blocks fit, one "
                     f"sequence needs {self.min_blocks}; free some and call wake_up again"
                 )
             self.scheduler.resize(reached)
-        self._asleep -= set(woken)
+            self._asleep.discard(KV_CACHE)
+            self._measure_ranks()
+        reloaded = not self._asleep and self._parameters_unloaded
+        if reloaded:  # fully awake and nobody loaded the parameters (or that failed before)
+            self._on_every_rank("reload_weights")
+            self._parameters_unloaded = False
         if not self._asleep:
             self.sleep_level = 0
-        if woken:
-            logger.info("Woke up %s in %.3f s.", " and ".join(woken), time.perf_counter() - start)
+        if woken or reloaded:
+            logger.info(
+                "Woke up %s in %.3f s%s.",
+                " and ".join(woken) or "nothing",
+                time.perf_counter() - start,
+                " (parameters read from the checkpoint)" if reloaded else "",
+            )
+        if self._parameters_unloaded:
+            logger.info(
+                "The weights' memory is mapped back, their parameters not filled: load_weights "
+                "fills them, or the checkpoint once the KV cache wakes."
+            )
+
+    # --- new weights ---------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy `weights` ((checkpoint name, tensor) pairs) into the parameters, on every rank,
+        in place; all of them checked first. After a level-2 sleep's wake they must cover
+        every parameter. The engine must be idle: the prefix cache is emptied."""
+        if WEIGHTS in self._asleep:
+            raise EngineAsleepError(
+                "load_weights: the weights are asleep; wake_up(tags=['weights']) first"
+            )
+        why_all = "after sleep(level=2) they hold nothing" if self._parameters_unloaded else None
+        pairs = check_weights(self.runner.model, weights, why_all)
+        start = time.perf_counter()
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in pairs]
+        self._on_every_rank("load_weights", specs, tensors=[t for _, t in pairs])
+        self._parameters_unloaded = False
+        self.scheduler.block_manager.reset_prefix_cache()  # its blocks hold the old weights' KV
+        logger.info("Loaded %d weight tensors in %.3f s.", len(pairs), time.perf_counter() - start)
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine cannot serve for sleep: something asleep, or the parameters
+        not filled again since a level-2 sleep."""
+        return bool(self._asleep) or self._parameters_unloaded
 
     def check_awake(self, what: str) -> None:
-        """Raise EngineAsleepError, naming `what` was refused, while anything sleeps."""
+        """Raise EngineAsleepError, naming `what` was refused, while the engine is `sleeping`."""
         if self._asleep:
             raise EngineAsleepError(
                 f"{what}: the engine is asleep ({' and '.join(sorted(self._asleep))}); "
                 "call wake_up() first"
+            )
+        if self._parameters_unloaded:
+            raise EngineAsleepError(
+                f"{what}: the parameters dropped by sleep(level=2) are not loaded; call "
+                "load_weights(...) or wake_up() (which reads the checkpoint)"
             )

@@ -108,7 +108,7 @@ class ElasticKVCachePolicy:
         """Shrink to the most blocks held at once in the last `idle_release_s` seconds
         (whole granules, at least the floor); return the seconds until the next release
         may come, None when the cache is at its floor (or asleep)."""
-        if self.elastic.asleep:
+        if self.elastic.sleeping:
             return None
         now = self.clock()
         peak = self.blocks.take_peak_used()

@@ -1,9 +1,9 @@
 """The engine loop: requests in, one scheduled step at a time, outputs out.
 
 `LLM.generate` drives it to completion; a server drives it step by step. Between
-steps its memory can change (`resize_kv_cache`, `sleep`, `wake_up`: see
-extkv.engine.elastic), also by itself under the elastic KV cache policy
-(extkv.engine.kv_policy).
+steps its memory and weights can change (`resize_kv_cache`, `sleep`, `wake_up`,
+`load_weights`: see extkv.engine.elastic; on every tensor-parallel rank), also by
+itself under the elastic KV cache policy (extkv.engine.kv_policy).
 
 With asynchronous scheduling (the default on one rank) each `step` launches the
 next step before it reads the tokens of the one in flight, so scheduling and
@@ -20,7 +20,10 @@ import logging
 import os
 import time
 import weakref
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -28,9 +31,11 @@ from extkv.distributed import SINGLE
 from extkv.engine.block_manager import BlockManager
 from extkv.engine.config import EngineConfig
 from extkv.engine.elastic import SLEEP_LEVELS, ElasticMemory, KVCacheResize
+from extkv.engine.encoder_cache import EncoderCacheManager
 from extkv.engine.errors import EngineDeadError, EngineStateError, is_fatal
 from extkv.engine.kv_policy import STATIC_STATUS, ElasticKVCachePolicy
 from extkv.engine.model_runner import SampledTokens
+from extkv.engine.multimodal import ImageInput, MultiModalProcessor
 from extkv.engine.outputs import RequestOutput
 from extkv.engine.request_state import RequestState, completion_ids, completion_params
 from extkv.engine.sampling_params import SamplingParams
@@ -77,16 +82,28 @@ class LLMEngine:
         self.config = config
         self.vocab_size = facts.vocab_size
         self.block_manager = BlockManager(
-            self.report.num_blocks, self.runner.kv_plan.needs, config.enable_prefix_caching
+            self.report.num_blocks, self.runner.kv_plan.groups, config.enable_prefix_caching
         )
+        spec = self.runner.image_spec
+        # Images: the checkpoint's processor turns them into encoder inputs; None without.
+        self.multimodal: MultiModalProcessor | None = None
+        encoder_cache = None
+        if spec is not None:
+            self.multimodal = MultiModalProcessor.from_pretrained(
+                resolve_model(config.model).path, spec, config.limit_mm_per_prompt
+            )
+            encoder_cache = EncoderCacheManager(self.report.encoder_cache_tokens)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             eos_token_ids=frozenset(facts.eos_token_ids),
+            encoder_cache=encoder_cache,
         )
-        self.elastic = ElasticMemory(config, self.runner, self.kv_cache, self.scheduler)
+        self.elastic = ElasticMemory(
+            config, self.runner, self.kv_cache, self.scheduler, self._ranks
+        )
         self.kv_policy: ElasticKVCachePolicy | None = None  # None: the static policy
         if config.kv_cache_policy == "elastic":
             self.kv_policy = ElasticKVCachePolicy(
@@ -111,6 +128,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state for metrics (cheap: call it every step)."""
         blocks = self.block_manager
+        encoder = self.scheduler.encoder_cache
         return EngineStats(
             num_blocks_committed=blocks.num_blocks,
             num_blocks_capacity=self.report.num_blocks_capacity,
@@ -126,6 +144,11 @@ class LLMEngine:
             num_kv_grows=self.elastic.num_grows,
             num_kv_shrinks=self.elastic.num_shrinks,
             sleep_level=self.elastic.sleep_level,
+            encoder_cache_tokens=0 if encoder is None else encoder.num_tokens,
+            encoder_cache_used_tokens=0 if encoder is None else encoder.num_used_tokens,
+            encoder_cache_entries=0 if encoder is None else encoder.num_entries,
+            encoder_cache_hits=0 if encoder is None else encoder.num_hits,
+            encoder_cache_misses=0 if encoder is None else encoder.num_misses,
         )
 
     # --- elastic memory (between steps) -------------------------------------------------
@@ -137,7 +160,8 @@ class LLMEngine:
         graphs; requests decoding carry on (moved, or preempted and recomputed), their
         greedy tokens unchanged. See ElasticMemory.resize_kv_cache."""
         self._check_usable()
-        return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
+        with self._fatal_errors():
+            return self.elastic.resize_kv_cache(num_blocks, memory_bytes)
 
     def kv_cache_status(self) -> dict[str, object]:
         """The KV cache now (committed, capacity, in use, resizes, what sleeps, the policy
@@ -150,13 +174,16 @@ class LLMEngine:
         every step; an idle server calls this); the seconds until it should be called
         again, None when nothing is left to give back (or the policy is static)."""
         self._check_usable()
-        return None if self.kv_policy is None else self.kv_policy.release_idle()
+        if self.kv_policy is None:
+            return None
+        with self._fatal_errors():
+            return self.kv_policy.release_idle()
 
     def sleep(self, level: int = 1, drain: bool = False) -> list[RequestOutput]:
         """Give back the KV cache's and the weights' memory (level 1: weights kept in host
-        memory; level 2: dropped, read from the checkpoint on wake). Requests in flight are
-        refused with EngineStateError, or with `drain` run to the end first: their final
-        outputs are returned."""
+        memory; level 2: dropped, filled again after wake by load_weights or from the
+        checkpoint). Requests in flight are refused with EngineStateError, or with `drain`
+        run to the end first: their final outputs are returned."""
         self._check_usable()
         if not self.config.enable_sleep_mode:
             raise EngineStateError("sleep needs enable_sleep_mode=True (--enable-sleep-mode)")
@@ -167,7 +194,8 @@ class LLMEngine:
                 "sleep with drain=True"
             )
         outputs = self.drain()  # without requests: the tokens of a step still in flight
-        self.elastic.sleep(level)
+        with self._fatal_errors():
+            self.elastic.sleep(level)
         return outputs
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -176,11 +204,27 @@ class LLMEngine:
         self._check_usable()
         if not self.config.enable_sleep_mode:
             raise EngineStateError("wake_up needs enable_sleep_mode=True (--enable-sleep-mode)")
-        self.elastic.wake_up(tags)
+        with self._fatal_errors():
+            self.elastic.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache sleep."""
-        return bool(self.elastic.asleep)
+        """Whether the weights or the KV cache sleep (or, after a level-2 sleep, the
+        parameters wait for `load_weights` or the checkpoint)."""
+        return self.elastic.sleeping
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights ((checkpoint name, tensor) pairs) into the model in place, on every
+        rank; see ElasticMemory.load_weights. Requests in flight are refused with
+        EngineStateError (they would mix two models' KV)."""
+        self._check_usable()
+        if self._requests:
+            raise EngineStateError(
+                f"load_weights: {len(self._requests)} request(s) in flight; let them finish "
+                "or abort them first"
+            )
+        self.drain()  # without requests: the tokens of a step still in flight
+        with self._fatal_errors():
+            self.elastic.load_weights(weights)
 
     def drain(self) -> list[RequestOutput]:
         """Step until no request is left; the final outputs of those that finish."""
@@ -198,14 +242,40 @@ class LLMEngine:
             )
         return self.tokenizer.encode(prompt)
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text of the model's image placeholder token (e.g. "<image>"); None for a
+        model without images (or without a tokenizer)."""
+        spec = self.runner.image_spec
+        if spec is None or self.tokenizer is None:
+            return None
+        return self.tokenizer.convert_ids_to_tokens(spec.token_id)
+
+    def process_multimodal(
+        self, prompt_token_ids: list[int], multi_modal_data: Mapping[str, Any] | None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids with each image placeholder expanded to its image's run, and the
+        images ready for `add_request` (see MultiModalProcessor.process); ValueError for
+        images given to a model without a vision encoder. Safe to call from any thread."""
+        if self.multimodal is not None:
+            return self.multimodal.process(prompt_token_ids, multi_modal_data)
+        if multi_modal_data:
+            raise ValueError(
+                f"multi_modal_data: model {self.config.model} takes no images (it has no "
+                "vision encoder)"
+            )
+        return list(prompt_token_ids), []
+
     def add_request(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
         request_id: str | None = None,
+        images: Seq[ImageInput] = (),
     ) -> str:
-        """Validate and queue one request; return its id."""
+        """Validate and queue one request; return its id. `images`: what
+        `process_multimodal` made of the prompt's images (the ids expanded by it too)."""
         self._check_usable()
         self.elastic.check_awake("add_request")
         if not isinstance(params, SamplingParams):
@@ -236,6 +306,8 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves "
                 "no room to generate"
             )
+        images = tuple(images)
+        self._check_images(ids, images)
         request_id = request_id if request_id is not None else str(next(self._ids))
         seq_ids = completion_ids(request_id, params.n)
         if request_id in self._requests or any(i in self._states for i in seq_ids):
@@ -243,13 +315,40 @@ class LLMEngine:
         seqs: list[Sequence] = []
         for index, seq_id in enumerate(seq_ids):
             leader = seqs[0] if seqs else None  # later completions share its prompt's blocks
-            seqs.append(Sequence(seq_id, ids, completion_params(params, index), leader))
+            seqs.append(Sequence(seq_id, ids, completion_params(params, index), leader, images))
         state = RequestState(request_id, prompt, seqs, params, self.tokenizer)
         self._requests[request_id] = state
         for seq in seqs:
             self._states[seq.request_id] = state
             self.scheduler.add(seq)
         return request_id
+
+    def _check_images(self, ids: list[int], images: tuple[ImageInput, ...]) -> None:
+        """Images must fill runs of placeholders in the prompt, in order, and every
+        placeholder must belong to one (else its embedding would be the token's own)."""
+        spec = self.runner.image_spec
+        if spec is None:
+            if images:
+                raise ValueError(
+                    f"images: model {self.config.model} takes no images (it has no vision encoder)"
+                )
+            return
+        covered = 0
+        for image in images:
+            if not isinstance(image, ImageInput) or image.offset < covered:
+                raise ValueError("images must be process_multimodal's, in prompt order")
+            if ids[image.offset : image.end] != [spec.token_id] * image.length:
+                raise ValueError(
+                    f"images: positions {image.offset} to {image.end - 1} of the prompt are "
+                    f"not all image placeholder tokens (id {spec.token_id})"
+                )
+            covered = image.end
+        if ids.count(spec.token_id) != sum(image.length for image in images):
+            raise ValueError(
+                f"the prompt has {ids.count(spec.token_id)} image placeholder tokens (id "
+                f"{spec.token_id}), and its images fill {sum(i.length for i in images)}: pass "
+                "the prompt with its multi_modal_data (one placeholder per image)"
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every completion) and free its blocks (e.g. its client went away)."""
@@ -279,11 +378,18 @@ class LLMEngine:
         `finish_reason` "error") and the engine carries on; one that leaves the engine
         unusable (`is_fatal`) raises EngineDeadError, now and on every later call."""
         self._check_usable()
-        try:
+        with self._fatal_errors():
             outputs = self._step(finished_only)
             if self.kv_policy is not None:  # after the step: what it freed counts as freed now
                 self.kv_policy.release_idle()
             return outputs
+
+    @contextmanager
+    def _fatal_errors(self) -> Iterator[None]:
+        """An error that leaves the engine unusable (`is_fatal`: a device error, a lost
+        tensor-parallel worker) becomes EngineDeadError, now and on every later call."""
+        try:
+            yield
         except Exception as e:
             if is_fatal(e):
                 self._dead = e
@@ -302,6 +408,8 @@ class LLMEngine:
                 if is_fatal(e):
                     raise
                 failed = self._fail([self._states[r.request_id] for r in plan.requests], e)
+                if plan.encoder_inputs:  # their embeddings may not exist: computed again later
+                    self.scheduler.encoder_cache.forget([i.hash for i in plan.encoder_inputs])
             else:
                 self.scheduler.launched(plan)
         if self.config.async_scheduling:

@@ -14,6 +14,11 @@ A step returns before the device has finished it: its sampled tokens stay on
 the device (the next step reads its pending input tokens from there) and come
 to the host behind the step (`SampledTokens.get`), so the host can plan the
 next step meanwhile.
+
+A vision-language model's runner also holds the encoder cache's tensors: each prefill
+step drops the entries its plan evicts, encodes its new images in one batch, and runs
+the model on embeddings where its tokens are image placeholders. Decode steps (and
+their graphs) never see an image.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from extkv.attention import Attention, ForwardContext, MLAAttention, set_forward
 from extkv.distributed import SINGLE, TPGroup
 from extkv.engine.config import EngineConfig
 from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_device_memory
+from extkv.engine.encoder_cache import encoder_budget
 from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from extkv.engine.sampler import Sampler, TopLogprobs, top_logprobs
 from extkv.engine.sampling_batch import SamplingBatch
@@ -87,6 +93,18 @@ class SampledTokens:
 
 
 @dataclass
+class Profile:
+    """What the profiling run measured: the largest step's activation peak (the encoder's
+    included, the encoder cache not), and for a vision-language model the encoder's own
+    peak over the largest image batch and the encoder cache it reserved."""
+
+    activation_peak_bytes: int
+    encoder_activation_peak_bytes: int = 0
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
+
+
+@dataclass
 class StepLogits:
     """What a step's forward pass gives the sampler: None where the step has no such rows."""
 
@@ -116,6 +134,12 @@ class ModelRunner:
         self.device: torch.device = config.device
         self.vocab_size = vocab_size
         self.attention_layers, self.mixers = cache_layers(model)
+        # Each layer reads its KV cache group's part of a step's inputs.
+        for index, group in enumerate(kv_plan.attention_groups):
+            for name in group.layer_names:
+                self.attention_layers[name].kv_group = index
+        self.image_spec = getattr(model, "image_spec", None)  # None: a model without images
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache, by image hash
         for index, group in enumerate(kv_plan.state_groups):
             for name in group.layer_names:
                 self.mixers[name].state_group = index
@@ -125,7 +149,8 @@ class ModelRunner:
             max(config.max_num_batched_tokens, max_seqs),
             max_seqs,
             self.max_blocks_per_seq,
-            kv_plan.needs.num_state_groups,
+            len(kv_plan.attention_groups),
+            len(kv_plan.state_groups),
             self.device,
         )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -143,6 +168,13 @@ class ModelRunner:
             torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         ]
         self.num_steps = 0  # steps launched
+
+    @property
+    def min_blocks(self) -> int:
+        """The most blocks one sequence of max_model_len tokens holds at once, over every KV
+        cache group: fewer in the pool and it could never run."""
+        config = self.config
+        return self.kv_plan.blocks_per_seq(config.max_model_len, config.max_num_batched_tokens)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -165,29 +197,69 @@ class ModelRunner:
     # --- memory profiling --------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_run(self) -> int:
+    def profile_run(self) -> Profile:
         """Run the largest step the scheduler can form (max_num_batched_tokens tokens over
-        up to max_num_seqs prompts) and return its peak activation memory in bytes."""
+        up to max_num_seqs prompts) and measure its peak activation memory. With images,
+        the encoder cache is reserved whole first, the largest image batch the budget
+        allows is encoded into it, and the step runs on embeddings taken from it."""
         cfg = self.config
         # As many sequences as a step may sample from, none longer than max_model_len.
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
         lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
-        context = ForwardContext.packed_prefill(lengths, self.device)
+        groups = len(self.kv_plan.attention_groups)
+        context = ForwardContext.packed_prefill(lengths, self.device, groups)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         logger.info("Profiling memory: one step of %d tokens over %d sequences.", total, num_seqs)
+        profile = Profile(0)
+        reserved = self._reserve_encoder_cache(profile)
         before = self._memory_high_water_mark(reset=True)
+        embeds = None
+        if reserved is not None:
+            profile.encoder_activation_peak_bytes = self._profile_encoder(reserved, before)
+            embeds = self.model.embed_input_ids(input_ids)
+            rows = min(total, len(reserved))
+            embeds[:rows] = reserved[:rows]
         with set_forward_context(context):
-            hidden = self.model(input_ids, positions)
-        last_tokens = context.attention.cu_seqlens_q[1:].long() - 1
+            if embeds is None:
+                hidden = self.model(input_ids, positions)
+            else:
+                hidden = self.model(input_ids, positions, embeds)
+        last_tokens = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[last_tokens])
         logits.argmax(dim=-1)
-        del hidden, logits
-        peak = max(self._memory_high_water_mark(reset=False) - before, 0)
+        del hidden, logits, embeds, reserved
+        profile.activation_peak_bytes = max(self._memory_high_water_mark(reset=False) - before, 0)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the peak is budgeted apart; don't count it as in use too
-        return peak
+        return profile
+
+    def _reserve_encoder_cache(self, profile: Profile) -> torch.Tensor | None:
+        """The whole encoder cache as one tensor (touched, so that the CPU's resident set
+        counts it), its size noted in `profile`; None without images."""
+        spec = self.image_spec
+        if spec is None:
+            return None
+        tokens = encoder_budget(self.config.max_num_batched_tokens, spec)
+        reserved = torch.zeros(
+            tokens, spec.hidden_size, dtype=self.config.dtype, device=self.device
+        )
+        profile.encoder_cache_tokens = tokens
+        profile.encoder_cache_bytes = reserved.numel() * reserved.element_size()
+        return reserved
+
+    def _profile_encoder(self, reserved: torch.Tensor, before: int) -> int:
+        """Encode the largest image batch a step may (blank images) into `reserved`; the
+        peak memory it took above `before`."""
+        spec = self.image_spec
+        num_images = len(reserved) // spec.num_tokens
+        logger.info("Profiling memory: encoding %d images.", num_images)
+        pixels = torch.zeros(num_images, *spec.pixel_shape, device=self.device)
+        embeddings = self.model.encode_images(pixels)
+        reserved[: num_images * spec.num_tokens] = embeddings.flatten(0, 1)
+        del pixels, embeddings
+        return max(self._memory_high_water_mark(reset=False) - before, 0)
 
     def _memory_high_water_mark(self, reset: bool) -> int:
         if self.device.type == "cuda":
@@ -234,23 +306,49 @@ class ModelRunner:
             mixer.ssm_state = mixer.conv_state = torch.empty(0)
         self.attention_layers.clear()
         self.mixers.clear()
+        self.encoder_outputs.clear()
         self.model = None
         if self.weights is not None:
             self.weights.free()
 
     # --- one step ------------------------------------------------------------------------
 
-    def _hidden(self, context: ForwardContext, views: StepViews) -> torch.Tensor:
-        """The forward pass over staged inputs; pending input tokens come from the device."""
+    def _hidden(
+        self,
+        context: ForwardContext,
+        views: StepViews,
+        image_rows: list[tuple[str, int, int, int]] | None = None,
+    ) -> torch.Tensor:
+        """The forward pass over staged inputs; pending input tokens come from the device,
+        the embeddings of `image_rows` from the encoder cache."""
         sources = views.token_sources
         pending = self.last_tokens[sources.clamp(min=0)]
         input_ids = torch.where(sources >= 0, pending, views.input_ids)
         with set_forward_context(context):
-            return self.model(input_ids, views.positions)
+            if not image_rows:
+                return self.model(input_ids, views.positions)
+            embeds = self.model.embed_input_ids(input_ids)
+            for hash_, first, row, count in image_rows:
+                embeds[row : row + count] = self.encoder_outputs[hash_][first : first + count]
+            return self.model(input_ids, views.positions, embeds)
+
+    def _update_encoder_cache(self, inputs: StepInputs) -> None:
+        """Drop the evicted entries, then encode the step's new images (one batch) into
+        entries of their own."""
+        for hash_ in inputs.evicted_encoder_hashes:
+            self.encoder_outputs.pop(hash_, None)
+        if not inputs.encoder_inputs:
+            return
+        pixels = torch.stack([p for _, p in inputs.encoder_inputs]).to(self.device)
+        embeddings = self.model.encode_images(pixels)
+        several = len(inputs.encoder_inputs) > 1
+        for (hash_, _), rows in zip(inputs.encoder_inputs, embeddings, strict=True):
+            # A copy each, so that evicting one entry frees its memory.
+            self.encoder_outputs[hash_] = rows.clone() if several else rows
 
     def _pad(self, bs: int) -> None:
         """Stage a decode batch of `bs` padding rows (no request: nothing is written)."""
-        empty = build_step_inputs(StepPlan(False, []), self.kv_plan.needs, {})
+        empty = build_step_inputs(StepPlan(False, []), self.kv_plan, {})
         self.buffers.stage(empty, self._decode_shape(bs))
 
     def _decode_shape(self, bs: int) -> StepShape:
@@ -277,12 +375,14 @@ class ModelRunner:
         """Run one step on this rank: the fp32 logits of the rows it samples (and the greedy
         tokens if already known) and of its prompt-logprob rows. Every rank runs every step."""
         n = inputs.num_seqs
+        if inputs.evicted_encoder_hashes or inputs.encoder_inputs:
+            self._update_encoder_cache(inputs)
         if self._uses_graph(inputs):
             bs = self.graphs.padded_size(n)
             self.buffers.stage(inputs, self._decode_shape(bs))
             self.graphs.run(bs)
             return StepLogits(self.logits[:n], self.greedy_tokens[:n])
-        shape = StepShape(inputs.num_tokens, n, inputs.block_tables.shape[1])
+        shape = StepShape(inputs.num_tokens, n, inputs.width)
         self.buffers.stage(inputs, shape)
         views = self.buffers.views(shape, len(inputs.sample_rows))
         context = views.context(
@@ -290,7 +390,7 @@ class ModelRunner:
             int((inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).max()),
             int(inputs.seqs[0].max()),
         )
-        hidden = self._hidden(context, views)
+        hidden = self._hidden(context, views, inputs.image_rows)
         result = StepLogits()
         if len(inputs.prompt_rows):
             rows = torch.from_numpy(inputs.prompt_rows).to(self.device)
@@ -309,7 +409,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         last_rows = self._last_rows
-        inputs = build_step_inputs(plan, self.kv_plan.needs, last_rows)
+        inputs = build_step_inputs(plan, self.kv_plan, last_rows)
         if not self.buffers.fits(StepShape(inputs.num_tokens, inputs.num_seqs, 0)):
             raise ValueError(
                 f"a step of {inputs.num_tokens} tokens over {inputs.num_seqs} sequences exceeds "

@@ -19,6 +19,12 @@ never preempts others for a block (it waits a step instead).
 With the elastic KV cache policy, `grow` is asked for the missing blocks first, where a
 request would otherwise wait or another be preempted for lack of them.
 
+Prompts with images (see extkv.engine.encoder_cache): a prompt chunk that reaches into an
+image's placeholder run needs the image's embeddings, held in the encoder cache or
+computed in the step. Where the cache has no room for them (or the step's encoder budget
+is spent), the chunk stops before that image; a request whose chunk would then be empty
+is not admitted yet. A request holds its images until it has prefilled past their runs.
+
 Between steps the block pool can be resized (`resize`): to shrink it, the most
 recently admitted sequences holding blocks past the new end are preempted until
 the blocks held there fit into the free ones below it, and those move. A
@@ -34,6 +40,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from extkv.engine.block_manager import BlockManager
+from extkv.engine.encoder_cache import EncoderCacheManager
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.sequence import Sequence, SequenceStatus
 from extkv.engine.step_plan import ScheduledRequest, StepPlan
 
@@ -52,8 +60,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        encoder_cache: EncoderCacheManager | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.encoder_cache = encoder_cache  # None: a model without images
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,6 +79,8 @@ class Scheduler:
         # The elastic policy's: asked for this many more free blocks before a request is
         # left waiting or another is preempted; True if the pool grew (through `resize`).
         self.grow: Callable[[int], bool] | None = None
+        self._encoder_inputs: list[ImageInput] = []  # the plan being built encodes these
+        self._encode_budget = 0  # embeddings the plan being built may still encode
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; it waits until a prefill step admits it."""
@@ -92,6 +104,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step (None: nothing can run); valid until the next call."""
+        cache = self.encoder_cache
+        self._encode_budget = 0 if cache is None else cache.num_tokens
         step = self._schedule_prefill() or self._schedule_decode()
         if step is None:
             return None
@@ -106,8 +120,11 @@ class Scheduler:
             new_request_ids=self._new,
             resumed_request_ids=self._resumed,
             finished_request_ids=self._finished,
+            encoder_inputs=self._encoder_inputs,
+            evicted_encoder_hashes=[] if cache is None else cache.take_evicted(),
         )
         self._planned, self._new, self._resumed, self._finished = seqs, [], [], []
+        self._encoder_inputs = []
         return plan
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledRequest:
@@ -133,6 +150,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             banned_token_ids=banned,
             prompt_logprobs=params.prompt_logprobs,
+            images=seq.images_in(start, end),
         )
 
     def _scheduled_decode(self, seq: Sequence) -> ScheduledRequest:
@@ -148,14 +166,8 @@ class Scheduler:
         )
 
     def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
-        """`seq`'s blocks per KV cache group: the attention table, then one state block
-        per recurrent group."""
-        if not seq.state_blocks:
-            return (seq.block_table,)
-        state_blocks = tuple([block] for block in seq.state_blocks)
-        if self.block_manager.needs.has_attention:
-            return (seq.block_table, *state_blocks)
-        return state_blocks
+        """`seq`'s block table in each KV cache group (KVCachePlan.groups' order)."""
+        return tuple(seq.block_tables)
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []
@@ -165,10 +177,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
                 continue  # preempted just now, or ready to decode
-            n = min(seq.num_uncomputed_tokens, budget)
-            end = seq.num_computed_tokens + n
-            if n == 0 or not self._make_room(seq, end, preempt_itself=False):
+            start = seq.num_computed_tokens
+            n = self._image_chunk(seq, start, min(seq.num_uncomputed_tokens, budget))
+            if n == 0 or not self._make_room(seq, start + n, preempt_itself=False):
                 continue  # waits, keeping its blocks, until a decode frees or takes them
+            self._hold_images(seq, start, n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -180,14 +193,15 @@ class Scheduler:
                 continue  # preempted with a token in flight: recomputed once it is here
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            computed = len(cached) * blocks.needs.block_size if cached else seq.num_computed_tokens
-            n = min(len(seq) - computed, budget)
-            if not self._fits(seq, computed + n, reusing=cached):
+            computed = len(cached) * blocks.block_size if cached else seq.num_computed_tokens
+            n = self._image_chunk(seq, computed, min(len(seq) - computed, budget))
+            if n == 0 or not self._fits(seq, computed + n, reusing=cached):
                 break
             self.waiting.remove(seq)
             if cached:
                 blocks.reuse(seq, cached)
             blocks.allocate(seq, computed + n)
+            self._hold_images(seq, computed, n)
             seq.status = SequenceStatus.RUNNING
             (self._resumed if seq.num_preemptions else self._new).append(seq.request_id)
             self.running.append(seq)
@@ -195,6 +209,59 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return (seqs, counts, True) if seqs else None
+
+    def _image_chunk(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """`num_tokens` from `start`, or fewer: up to the first image in them whose
+        embeddings the encoder cache cannot take now, with the images before it (its room
+        or this step's encoder budget is short)."""
+        cache = self.encoder_cache
+        if cache is None or not seq.images:
+            return num_tokens
+        acquiring: set[str] = set()
+        new: set[str] = set()
+        new_tokens = 0
+        for index, image in enumerate(seq.images):
+            if image.offset >= start + num_tokens:
+                break
+            if image.end <= start or index in seq.encoder_held:
+                continue
+            if cache.has(image.hash):
+                acquiring.add(image.hash)
+            elif image.hash not in new:
+                new.add(image.hash)
+                new_tokens += image.length
+            if new_tokens > self._encode_budget or not cache.can_allocate(new_tokens, acquiring):
+                return max(image.offset - start, 0)
+        return num_tokens
+
+    def _hold_images(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """Hold, in the encoder cache, the images `seq`'s tokens [start, start +
+        num_tokens) reach into (`_image_chunk` made sure they fit): entries it has first,
+        then new ones, which this step encodes."""
+        cache = self.encoder_cache
+        if cache is None or not seq.images:
+            return
+        fresh = [
+            (index, image)
+            for index, image in enumerate(seq.images)
+            if index not in seq.encoder_held
+            and image.offset < start + num_tokens
+            and image.end > start
+        ]
+        for index, image in sorted(fresh, key=lambda pair: not cache.has(pair[1].hash)):
+            if not cache.acquire(image.hash):
+                cache.allocate(image.hash, image.length)
+                self._encoder_inputs.append(image)
+                self._encode_budget -= image.length
+            seq.encoder_held.add(index)
+
+    def _release_images(self, seq: Sequence, all_of_them: bool) -> None:
+        """Drop `seq`'s holds on its images: those it has prefilled past, or all."""
+        for index in sorted(seq.encoder_held):
+            image = seq.images[index]
+            if all_of_them or image.end <= seq.num_computed_tokens:
+                self.encoder_cache.release(image.hash)
+                seq.encoder_held.discard(index)
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         """Whether `seq`, a later completion of a request with n > 1, waits for the first
@@ -210,9 +277,6 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
         blocks = self.block_manager
-        # Most steps need no new block: a running sequence has its state blocks, so it
-        # fits while its tokens fit its attention blocks (always, without attention).
-        block_size = blocks.needs.block_size if blocks.needs.has_attention else 0
         running = SequenceStatus.RUNNING
         for seq in list(self.running):
             if seq.status is not running:
@@ -220,7 +284,7 @@ class Scheduler:
             num_tokens = len(seq.token_ids) + seq.num_pending
             if seq.num_pending and self._at_length_limit(seq, num_tokens):
                 continue  # its pending token is its last
-            if not block_size or num_tokens <= len(seq.block_table) * block_size:
+            if blocks.holds(seq, num_tokens):  # most steps need no new block
                 seqs.append(seq)
             elif seq.num_pending and not self._fits(seq, num_tokens):
                 # Its token in flight may finish it: wait a step rather than preempt others.
@@ -266,13 +330,14 @@ class Scheduler:
         moves = blocks.resize(num_blocks)
         if moves:
             for seq in self.running:
-                seq.block_table = [moves.get(b, b) for b in seq.block_table]
-                seq.state_blocks = [moves.get(b, b) for b in seq.state_blocks]
+                seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
         return moves, preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if seq.encoder_held:
+            self._release_images(seq, all_of_them=True)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -284,13 +349,15 @@ class Scheduler:
         """Record that `plan` (the last one made) went to the device: its tokens count as
         computed, and each request it samples has one more token pending."""
         remember = self.block_manager.prefix_caching
-        windowed = self.block_manager.needs.sliding_window is not None
+        windowed = bool(self.block_manager.windowed)
         for seq, request in zip(self._planned, plan.requests, strict=True):
             seq.num_computed_tokens += request.num_new_tokens
             if remember:
                 self.block_manager.remember_computed(seq)
             if windowed:
                 self.block_manager.release_out_of_window(seq)
+            if seq.encoder_held:
+                self._release_images(seq, all_of_them=False)
             if request.sampling is not None:
                 seq.num_pending += 1
 
@@ -333,10 +400,12 @@ class Scheduler:
         seq.finish_reason = reason
         seq.num_pending = 0  # a token still in flight is dropped when read
         self.block_manager.free(seq)
+        if seq.encoder_held:
+            self._release_images(seq, all_of_them=True)
         del self._requests[seq.request_id]
         self._finished.append(seq.request_id)
 
 
 def _holds_from(seq: Sequence, num_blocks: int) -> bool:
     """Whether `seq` holds a block from `num_blocks` on (released entries are NO_BLOCK, < 0)."""
-    return any(b >= num_blocks for b in (*seq.block_table, *seq.state_blocks))
+    return any(b >= num_blocks for table in seq.block_tables for b in table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         leader: Sequence | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -39,15 +41,19 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending = 0
         self.num_preemptions = 0
-        self.block_table: list[int] = []  # attention blocks, in token order (NO_BLOCK: released)
-        self.num_released_blocks = 0  # sliding window: the leading blocks no query sees again
-        self.state_blocks: list[int] = []  # one per recurrent group: where its state lives
+        # One block table per KV cache group (see extkv.kv_cache.groups), once it holds
+        # blocks: an attention group's in token order (NO_BLOCK: released, out of its
+        # window), a recurrent group's the one block its state lives in.
+        self.block_tables: list[list[int]] = []
+        self.num_released_blocks: list[int] = []  # per group: leading entries released
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         # Of a request with n > 1: its first completion, whose prompt this one waits for
         # (then it takes the prompt's blocks from the prefix cache); None for the first.
         self.leader = leader
+        self.images = images  # in prompt order; their placeholder runs are in the prompt
+        self.encoder_held: set[int] = set()  # indices of the images it holds in the encoder cache
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending
@@ -67,9 +73,8 @@ class Sequence:
         """Tokens whose KV is not in the cache yet, pending ones included: 1 means a decode."""
         return len(self) - self.num_computed_tokens
 
-    def slot(self, position: int, block_size: int) -> int:
-        """Cache slot of token `position`; -1 where the model keeps no per-token cache
-        (pure Mamba: its state is one block, not a slot per token)."""
-        if not self.block_table:
-            return -1
-        return self.block_table[position // block_size] * block_size + position % block_size
+    def images_in(self, start: int, end: int) -> tuple[ImageInput, ...]:
+        """The images whose placeholder runs overlap positions [start, end)."""
+        if not self.images:
+            return ()
+        return tuple(i for i in self.images if i.offset < end and i.end > start)

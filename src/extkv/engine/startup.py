@@ -3,6 +3,9 @@
 Both flows begin with a profiling run at the largest batch, which gives the
 memory that is really available for the KV cache and the CUDA graphs:
 `available = budget - memory in use (weights, context, ...) - activation peak`.
+A vision-language model's profile also reserves its whole encoder cache and encodes
+the largest image batch a step may; the cache's size comes off `available` too, so the
+KV cache sized afterwards (by either flow) never takes the images' memory.
 
 legacy      estimate the graph pool with a throwaway capture -> allocate the
             whole KV cache from the estimate -> capture the graphs for real.
@@ -59,9 +62,14 @@ class MemoryReport:
     block_size: int
     bytes_per_block: int
     weights_bytes: int
-    activation_peak_bytes: int
+    activation_peak_bytes: int  # the largest step's, the encoder's included
     available_bytes: int
     margin_bytes: int
+    # Vision-language models: the encoder cache kept out of `available` (its budget in
+    # embeddings, and bytes), and the encoder's own peak over the largest image batch.
+    encoder_cache_tokens: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_activation_peak_bytes: int = 0
     # Committed: blocks the engine can hand out now. Capacity: blocks the reserved
     # address space holds (extensible), or the committed count (legacy).
     num_blocks_committed: int = 0
@@ -72,6 +80,9 @@ class MemoryReport:
     kv_cache_bytes: int = 0
     kv_reserved_bytes: int = 0
     kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    # Per KV cache group (KVCachePlan.group_sizing): kind, layers, spec, page and block
+    # bytes, and what one max_model_len sequence holds of the shared blocks at most.
+    kv_cache_groups: list[dict[str, object]] = field(default_factory=list)
     graph_pool_bytes: int = 0
     graph_pool_bytes_per_rank: list[int] = field(default_factory=list)
     graph_pool_estimate_bytes: int | None = None
@@ -161,7 +172,7 @@ REMEDY = (
 
 def _check_fits(num_blocks: int, runner: ModelRunner, bytes_per_block: int, what: str) -> None:
     config = runner.config
-    needed = runner.kv_plan.needs.blocks_for(config.max_model_len)
+    needed = runner.min_blocks
     if num_blocks < needed:
         missing = (needed - num_blocks) * bytes_per_block
         raise StartupError(
@@ -257,7 +268,8 @@ def initialize_kv_cache(
     flow), allocate and bind it and capture the graphs; return it and the report of how."""
     start = time.perf_counter()
     per_block = runner.kv_plan.bytes_per_block
-    peak = runner.profile_run()
+    profile = runner.profile_run()
+    peak = profile.activation_peak_bytes
     profile_seconds = time.perf_counter() - start
     budget, in_use = _memory_in_use(runner, config, free_at_start)
     margin = config.kv_cache_margin_bytes
@@ -269,8 +281,11 @@ def initialize_kv_cache(
         bytes_per_block=per_block,
         weights_bytes=runner.weights_bytes(),
         activation_peak_bytes=peak,
-        available_bytes=max(budget - in_use - peak, 0),
+        available_bytes=max(budget - in_use - peak - profile.encoder_cache_bytes, 0),
         margin_bytes=margin,
+        encoder_cache_tokens=profile.encoder_cache_tokens,
+        encoder_cache_bytes=profile.encoder_cache_bytes,
+        encoder_activation_peak_bytes=profile.encoder_activation_peak_bytes,
         profile_seconds=profile_seconds,
     )
     logger.info(
@@ -283,12 +298,24 @@ def initialize_kv_cache(
         peak / GiB,
         report.available_bytes / GiB,
     )
+    if profile.encoder_cache_bytes:
+        logger.info(
+            "Encoder cache: %d embeddings (%.3f GiB) kept out of the available memory; the "
+            "encoder's activation peak %.3f GiB.",
+            report.encoder_cache_tokens,
+            report.encoder_cache_bytes / GiB,
+            report.encoder_activation_peak_bytes / GiB,
+        )
     flow = _extensible_flow if report.extensible else _legacy_flow
     cache, report.num_blocks_committed, report.num_blocks_ceiling = flow(runner, config, report)
     report.num_blocks_capacity = cache.capacity_blocks
     report.kv_cache_bytes = cache.committed_bytes
     report.kv_reserved_bytes = cache.reserved_bytes
     report.kv_bytes_by_kind = cache.bytes_by_kind()
+    report.kv_cache_groups = runner.kv_plan.group_sizing(
+        config.max_model_len, config.max_num_batched_tokens
+    )
+    _log_groups(report, config.max_model_len)
     report.kv_setup_seconds = time.perf_counter() - start
     sizing = report.kv_setup_seconds - report.profile_seconds - report.capture_seconds
     logger.info(
@@ -302,6 +329,33 @@ def initialize_kv_cache(
         report.num_blocks_committed,
     )
     return cache, report
+
+
+def _log_groups(report: MemoryReport, max_model_len: int) -> None:
+    """One line per KV cache group: what it keeps and what a long sequence takes of the pool."""
+    groups = report.kv_cache_groups
+    logger.info(
+        "KV cache: %d blocks of %d bytes (%d tokens each), shared by %d group(s).",
+        report.num_blocks_committed,
+        report.bytes_per_block,
+        report.block_size,
+        len(groups),
+    )
+    for index, group in enumerate(groups):
+        layers = group["layers"]
+        names = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]}, ..., {layers[-1]}"
+        logger.info(
+            "KV cache group %d: %s, %d layer(s) (%s), %d-byte pages; a %d-token sequence "
+            "holds at most %d of its blocks (%.3f GiB).",
+            index,
+            group["kind"],
+            len(layers),
+            names,
+            group["page_size_bytes"],
+            max_model_len,
+            group["max_blocks_per_seq"],
+            group["max_bytes_per_seq"] / GiB,
+        )
 
 
 def _allocate(
@@ -340,8 +394,7 @@ def _extensible_flow(
     _check_fits(num_blocks, runner, per_block, "sized after graph capture")
     ceiling = num_blocks
     if config.kv_cache_policy == "elastic":  # the rest is committed on demand
-        min_blocks = runner.kv_plan.needs.blocks_for(config.max_model_len)
-        num_blocks = floor_blocks(cache, min_blocks, ceiling)
+        num_blocks = floor_blocks(cache, runner.min_blocks, ceiling)
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
     num_blocks = _smallest(runner, num_blocks, "committed")
     _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")

@@ -24,3 +24,10 @@ class EngineStats:
     num_kv_grows: int = 0  # KV cache resizes while serving, since start
     num_kv_shrinks: int = 0
     sleep_level: int = 0  # 0: awake
+    # Vision-language models: the encoder cache's budget and what it holds (embeddings,
+    # entries), and since start the images found in it (hits) and encoded (misses).
+    encoder_cache_tokens: int = 0
+    encoder_cache_used_tokens: int = 0
+    encoder_cache_entries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0

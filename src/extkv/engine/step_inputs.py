@@ -8,13 +8,18 @@ graph of batch size `bs` was captured against the views of a `bs`-row step
 (`StepShape.decode(bs, ...)`), so staging a decode step padded to `bs` rows is
 all a replay needs.
 
+KV cache groups (extkv.kv_cache.groups) each have their own part: every attention
+group a row of cache slots and a block table, every recurrent group a row of state
+blocks, all in the one buffer; a captured graph therefore reads each group's table at
+an address of its own that never moves.
+
 The layout of the buffer depends only on the step's shape, and a step's arrays
 are packed at its start, so the copy moves no byte more than the step uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -22,9 +27,9 @@ import torch
 
 from extkv.attention import AttentionMetadata, ForwardContext, MambaMetadata
 from extkv.engine.step_plan import StepPlan
-from extkv.kv_cache.plan import BlockNeeds
+from extkv.kv_cache.plan import KVCachePlan
 
-TOKEN_ROWS = 4  # input ids, positions, cache slots, token sources
+TOKEN_ROWS = 3  # input ids, positions, token sources; then a row of slots per attention group
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,27 @@ class StepShape:
 class StepInputs:
     """One step's inputs as host int32 arrays, before any padding.
 
-    `tokens` rows: input id, position, cache slot (-1: no write), token source (>= 0:
-    the input token is still on the device, row `source` of the tokens the previous
-    step sampled). `seqs` rows: context length, whether the sequence continues an
-    earlier step (its recurrent state is carried), then its state block in each
-    recurrent group. `cu_seqlens` has num_seqs + 1 entries."""
+    `tokens` rows: input id, position, token source (>= 0: the input token is still on
+    the device, row `source` of the tokens the previous step sampled), then the cache
+    slot (-1: no write) in each attention group. `seqs` rows: context length, whether
+    the sequence continues an earlier step (its recurrent state is carried), then its
+    state block in each recurrent group. `block_tables` has one table per attention
+    group. `cu_seqlens` has num_seqs + 1 entries.
+
+    Images (prefill only): the encoder cache drops the entries `evicted_encoder_hashes`,
+    then encodes `encoder_inputs` ((hash, pixels) each); `image_rows` says which token
+    rows take which embeddings: (hash, first embedding, first row, count)."""
 
     is_prefill: bool
-    tokens: np.ndarray  # (4, num_tokens)
+    tokens: np.ndarray  # (3 + num_attention_groups, num_tokens)
     cu_seqlens: np.ndarray  # (num_seqs + 1,)
     seqs: np.ndarray  # (2 + num_state_groups, num_seqs)
-    block_tables: np.ndarray  # (num_seqs, width), 0-padded
+    block_tables: np.ndarray  # (num_attention_groups, num_seqs, width), 0-padded
     sample_rows: np.ndarray  # token rows whose logits are sampled
     prompt_rows: np.ndarray  # token rows whose logits give prompt logprobs (often none)
+    encoder_inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    evicted_encoder_hashes: list[str] = field(default_factory=list)
+    image_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +82,15 @@ class StepInputs:
         """Sequences in the step, before padding."""
         return self.seqs.shape[1]
 
+    @property
+    def width(self) -> int:
+        """Block-table columns the step uses."""
+        return self.block_tables.shape[2]
 
-def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, int]) -> StepInputs:
+
+def build_step_inputs(
+    plan: StepPlan, kv_plan: KVCachePlan, last_rows: dict[str, int]
+) -> StepInputs:
     """The host arrays of `plan`; `last_rows` says where each request's pending token is
     among the tokens the previous step sampled. It runs every step for every request,
     so the per-request work is kept to one pass of builtins each; the rest is numpy."""
@@ -86,39 +106,44 @@ def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, in
         positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
     else:  # one token per sequence
         seq_of_token, positions = np.arange(num_seqs), starts
-    tokens = np.empty((TOKEN_ROWS, num_tokens), dtype=np.int64)
+    num_attention = len(kv_plan.attention_groups)
+    tokens = np.empty((TOKEN_ROWS + num_attention, num_tokens), dtype=np.int64)
     known = chain.from_iterable([*r.token_ids, 0] if r.pending else r.token_ids for r in requests)
     tokens[0] = np.fromiter(known, np.int64, num_tokens)
     tokens[1] = positions
-    tokens[3] = -1
+    tokens[2] = -1
     pending = [(i, last_rows[r.request_id]) for i, r in enumerate(requests) if r.pending]
     if pending:
         rows, sources = zip(*pending, strict=True)
-        tokens[3, cu_seqlens[1:][list(rows)] - 1] = sources
-    num_groups = needs.num_state_groups
-    first_state = 1 if needs.has_attention else 0
-    if needs.has_attention:
-        tables_of = [r.block_ids[0] for r in requests]
-        lengths = np.fromiter(map(len, tables_of), np.int64, num_seqs)
+        tokens[2, cu_seqlens[1:][list(rows)] - 1] = sources
+    tables = np.zeros((num_attention, num_seqs, 0), dtype=np.int64)
+    if num_attention:  # they come first in block_ids, their tables all of one length
+        lengths = np.fromiter((len(r.block_ids[0]) for r in requests), np.int64, num_seqs)
         width = int(lengths.max()) if num_seqs else 0
-        tables = np.zeros((num_seqs, width), dtype=np.int64)
+        tables = np.zeros((num_attention, num_seqs, width), dtype=np.int64)
         held = np.arange(width) < lengths[:, None]  # row-major: each table in order
-        tables[held] = np.fromiter(chain.from_iterable(tables_of), np.int64, int(lengths.sum()))
-        size = needs.block_size
-        tokens[2] = tables[seq_of_token, positions // size] * size + positions % size
-    else:
-        tables = np.zeros((num_seqs, 0), dtype=np.int64)
-        tokens[2] = -1  # pure Mamba: the state is one block, not a slot per token
-    seqs = np.empty((2 + num_groups, num_seqs), dtype=np.int64)
+        for g in range(num_attention):
+            ids = chain.from_iterable(r.block_ids[g] for r in requests)
+            tables[g][held] = np.fromiter(ids, np.int64, int(lengths.sum()))
+        size = kv_plan.block_size
+        tokens[TOKEN_ROWS:] = tables[:, seq_of_token, positions // size] * size + positions % size
+    num_state = len(kv_plan.state_groups)
+    seqs = np.empty((2 + num_state, num_seqs), dtype=np.int64)
     seqs[0] = starts + counts
     seqs[1] = starts > 0
-    for g in range(num_groups):
-        seqs[2 + g] = [r.block_ids[first_state + g][0] for r in requests]
+    for g in range(num_state):
+        seqs[2 + g] = [r.block_ids[num_attention + g][0] for r in requests]
     sampled = np.fromiter((r.sampling is not None for r in requests), bool, num_seqs)
     prompt_rows = [  # only a prefill computes prompt positions
         int(cu_seqlens[i]) + p - r.num_computed_tokens
         for i, r in enumerate(requests if plan.is_prefill else ())
         for p in r.prompt_logprob_positions
+    ]
+    image_rows = [
+        (image.hash, lo - image.offset, int(cu_seqlens[i]) + lo - r.num_computed_tokens, hi - lo)
+        for i, r in enumerate(requests if plan.is_prefill else ())
+        for image in r.images
+        if (lo := max(image.offset, r.num_computed_tokens)) < (hi := min(image.end, r.context_len))
     ]
     return StepInputs(
         is_prefill=plan.is_prefill,
@@ -128,6 +153,9 @@ def build_step_inputs(plan: StepPlan, needs: BlockNeeds, last_rows: dict[str, in
         block_tables=tables.astype(np.int32),
         sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
         prompt_rows=np.array(prompt_rows, dtype=np.int64),
+        encoder_inputs=[(image.hash, image.pixel_values) for image in plan.encoder_inputs],
+        evicted_encoder_hashes=plan.evicted_encoder_hashes,
+        image_rows=image_rows,
     )
 
 
@@ -137,25 +165,29 @@ class StepViews:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slot_mapping: torch.Tensor
     token_sources: torch.Tensor
+    slot_mappings: torch.Tensor  # (num_attention_groups, num_tokens)
     cu_seqlens: torch.Tensor
     context_lens: torch.Tensor
     has_initial_state: torch.Tensor  # int32, != 0: the state carries over
     state_indices: torch.Tensor | None  # (num_state_groups, num_seqs)
     sample_rows: torch.Tensor
-    block_tables: torch.Tensor
+    block_tables: torch.Tensor  # (num_attention_groups, num_seqs, width)
 
     def context(self, is_prefill: bool, max_seqlen_q: int, max_context_len: int) -> ForwardContext:
-        """The step's forward context over these views (a Mamba part only with state groups)."""
-        attention = AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=self.slot_mapping,
-            cu_seqlens_q=self.cu_seqlens,
-            context_lens=self.context_lens,
-            block_tables=self.block_tables,
-            max_seqlen_q=max_seqlen_q,
-            max_context_len=max_context_len,
+        """The step's forward context over these views: attention metadata per attention
+        group (their slots and tables; the rest shared), a Mamba part with state groups."""
+        attention = tuple(
+            AttentionMetadata(
+                is_prefill=is_prefill,
+                slot_mapping=slots,
+                cu_seqlens_q=self.cu_seqlens,
+                context_lens=self.context_lens,
+                block_tables=tables,
+                max_seqlen_q=max_seqlen_q,
+                max_context_len=max_context_len,
+            )
+            for slots, tables in zip(self.slot_mappings, self.block_tables, strict=True)
         )
         if self.state_indices is None:
             return ForwardContext(attention)
@@ -173,9 +205,11 @@ class InputBuffers:
         max_tokens: int,
         max_seqs: int,
         max_width: int,
+        num_attention_groups: int,
         num_state_groups: int,
         device: torch.device,
     ) -> None:
+        self.num_attention_groups = num_attention_groups
         self.num_state_groups = num_state_groups
         self.max_width = max_width
         self._max = StepShape(max_tokens, max_seqs, max_width)
@@ -191,21 +225,23 @@ class InputBuffers:
 
     def _size(self, shape: StepShape) -> int:
         t, s, w = shape.num_tokens, shape.num_seqs, shape.width
-        return TOKEN_ROWS * t + (s + 1) + (2 + self.num_state_groups) * s + s + s * w
+        a = self.num_attention_groups
+        return (TOKEN_ROWS + a) * t + (s + 1) + (2 + self.num_state_groups) * s + s + a * s * w
 
     def _split(self, buffer: torch.Tensor | np.ndarray, shape: StepShape, num_sampled: int):
         t, s, w = shape.num_tokens, shape.num_seqs, shape.width
+        a = self.num_attention_groups
         rows = 2 + self.num_state_groups
-        cu = TOKEN_ROWS * t
+        cu = (TOKEN_ROWS + a) * t
         seqs = cu + s + 1
         sample = seqs + rows * s
         tables = sample + s
         return (
-            buffer[:cu].reshape(TOKEN_ROWS, t),
+            buffer[:cu].reshape(TOKEN_ROWS + a, t),
             buffer[cu:seqs],
             buffer[seqs:sample].reshape(rows, s),
             buffer[sample : sample + num_sampled],
-            buffer[tables : tables + s * w].reshape(s, w),
+            buffer[tables : tables + a * s * w].reshape(a, s, w),
         )
 
     def fits(self, shape: StepShape) -> bool:
@@ -222,8 +258,8 @@ class InputBuffers:
         return StepViews(
             input_ids=tokens[0],
             positions=tokens[1],
-            slot_mapping=tokens[2],
-            token_sources=tokens[3],
+            token_sources=tokens[2],
+            slot_mappings=tokens[TOKEN_ROWS:],
             cu_seqlens=cu,
             context_lens=seqs[0],
             has_initial_state=seqs[1],
@@ -235,24 +271,25 @@ class InputBuffers:
     def stage(self, inputs: StepInputs, shape: StepShape) -> None:
         """Write `inputs` into the host buffer, padded to `shape`, and send them with one
         copy (a graph replay needs no more; an eager step then takes its `views`). Padding
-        rows write nothing (slot -1, state row -1), take their token from the ids row and
+        rows write nothing (slots -1, state rows -1), take their token from the ids row and
         attend to one token of block 0, which both KV cache paths always have committed."""
         if self._sent is not None:
             self._sent.synchronize()
         n, s = inputs.num_tokens, inputs.num_seqs
-        width = inputs.block_tables.shape[1]
+        width = inputs.width
         tokens, cu, seqs, sample, tables = self._split(self._host, shape, len(inputs.sample_rows))
         tokens[:, :n] = inputs.tokens
-        tokens[:, n:] = ((0,), (0,), (-1,), (-1,))
+        tokens[:TOKEN_ROWS, n:] = ((0,), (0,), (-1,))
+        tokens[TOKEN_ROWS:, n:] = -1
         cu[: s + 1] = inputs.cu_seqlens
         cu[s + 1 :] = inputs.cu_seqlens[-1] + np.arange(1, shape.num_seqs - s + 1)
         seqs[:, :s] = inputs.seqs
         seqs[:2, s:] = ((1,), (1,))
         seqs[2:, s:] = -1
         sample[:] = inputs.sample_rows
-        tables[:s, :width] = inputs.block_tables
-        tables[:s, width:] = 0
-        tables[s:] = 0
+        tables[:, :s, :width] = inputs.block_tables
+        tables[:, :s, width:] = 0
+        tables[:, s:] = 0
         if self._sent is not None:
             used = self._size(shape)
             self.staged[:used].copy_(self.host[:used], non_blocking=True)

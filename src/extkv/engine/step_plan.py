@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.sampling_params import SamplingParams
 
 
@@ -37,6 +38,9 @@ class ScheduledRequest:
     num_prompt_tokens: int = 0
     banned_token_ids: tuple[int, ...] = ()  # masked this step (EOS and stops before min_tokens)
     prompt_logprobs: int | None = None  # top-k logprobs of the prompt positions this step computes
+    # The images whose placeholder runs this step's tokens overlap: their embeddings (in the
+    # encoder cache by the time the step runs) take those rows' places.
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -60,13 +64,18 @@ class StepPlan:
     `new_request_ids` are scheduled for the first time, `resumed_request_ids` again
     after a preemption (their KV is recomputed from position 0), and
     `finished_request_ids` ended since the previous plan (finished or aborted): the
-    runner drops what it kept for them."""
+    runner drops what it kept for them.
+
+    The encoder cache: the runner drops the entries `evicted_encoder_hashes` first, then
+    encodes `encoder_inputs` (images no entry holds yet) into new ones."""
 
     is_prefill: bool
     requests: list[ScheduledRequest]
     new_request_ids: list[str] = field(default_factory=list)
     resumed_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    encoder_inputs: list[ImageInput] = field(default_factory=list)
+    evicted_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

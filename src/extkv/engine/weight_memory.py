@@ -7,14 +7,13 @@ an address, into one ExtensibleTensor: each tensor becomes a view at a fixed
 offset of it. Sleep copies bytes out to host memory (pinned on CUDA) and shrinks
 the region to nothing; wake commits it again under the same base pointer and
 copies them back. Level 2 keeps only the buffers on the host (rotary tables and
-the like, which no checkpoint holds): the parameters are read from the
-checkpoint again on wake.
+the like, which no checkpoint holds): on wake the parameters are filled again,
+from the checkpoint or by `load_weights` (see extkv.engine.elastic).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +57,7 @@ class WeightMemory:
                 size = -(-(size + self._storages[key].num_bytes) // _ALIGN) * _ALIGN
             self._storages[key].has_buffer |= kind == "buffer"
         self.num_bytes = size
+        self._saved: torch.Tensor | None = None  # the whole region while a level-1 sleep lasts
         self._region = ExtensibleTensor(size, device)
         self._region.resize_(size)
         for key, storage in self._storages.items():
@@ -98,32 +98,44 @@ class WeightMemory:
 
     def offload(self, keep_parameters: bool) -> None:
         """Copy what wake needs back to host memory (everything, or with `keep_parameters`
-        off only the storages buffers use) and give the region's memory back."""
+        off only the storages buffers use) and give the region's memory back.
+
+        Everything goes as one copy into one host buffer (pinned on CUDA, from torch's
+        caching host allocator, so a second sleep reuses it): one transfer at full link
+        speed, where a copy per tensor pays a launch and a sync for each."""
         cuda = self._region.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self._region.device)  # no kernel may still read the weights
-        for storage in self._storages.values():
-            if keep_parameters or storage.has_buffer:
-                storage.saved = torch.empty(storage.num_bytes, dtype=torch.uint8, pin_memory=cuda)
-                storage.saved.copy_(self._piece(storage))
+        if keep_parameters:
+            self._saved = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self._saved.copy_(self._region.full_view()[: self.num_bytes])
+        else:
+            for storage in self._storages.values():
+                if storage.has_buffer:
+                    storage.saved = torch.empty(
+                        storage.num_bytes, dtype=torch.uint8, pin_memory=cuda
+                    )
+                    storage.saved.copy_(self._piece(storage))
         self._region.shrink_per_segment_(0)
 
-    def restore(self, reload_parameters: Callable[[], None]) -> None:
+    def restore(self) -> bool:
         """Commit the region again under the same addresses and copy back what `offload`
-        saved; `reload_parameters` fills the parameters it did not (from the checkpoint)."""
+        saved; whether the parameters were left out (level 2: their memory is mapped but
+        holds nothing yet, for the caller to fill from the checkpoint or `load_weights`)."""
         self._region.resize_(self.num_bytes)
-        missing = False
+        if self._saved is not None:
+            self._region.full_view()[: self.num_bytes].copy_(self._saved)
+            self._saved = None
+            return False
         for storage in self._storages.values():
-            if storage.saved is None:
-                missing = True
-                continue
-            self._piece(storage).copy_(storage.saved)
-            storage.saved = None
-        if missing:
-            reload_parameters()
+            if storage.saved is not None:
+                self._piece(storage).copy_(storage.saved)
+                storage.saved = None
+        return True
 
     def free(self) -> None:
         """Give the region back for good; the model's tensors dangle after."""
         self._region.free()
+        self._saved = None
         for storage in self._storages.values():
             storage.saved = None

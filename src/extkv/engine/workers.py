@@ -6,7 +6,9 @@ torchrun's processes). Every rank loads its own shard and profiles, sizes and
 captures on its own device (`start_rank`; the ranks agree on the smallest
 block count). Then, every step, the driver broadcasts the step's inputs (token
 ids, positions, slots, block tables: kilobytes, pickled over gloo), all ranks
-run the forward pass, and the driver samples. None tells the workers to stop.
+run the forward pass, and the driver samples. Between steps it may broadcast a
+`RankCall` instead: a resize, sleep, wake or weight load every rank applies to
+its own memory (extkv.engine.rank_memory). None tells the workers to stop.
 
 A worker that dies or fails makes the driver raise `WorkerError` and stop the
 others. Before the process groups exist the driver polls its workers' exit
@@ -47,6 +49,7 @@ from extkv.distributed import (
     start_beating,
 )
 from extkv.engine.config import EngineConfig
+from extkv.engine.rank_memory import RankCall, RankMemory
 from extkv.engine.startup import start_rank
 from extkv.models import check_tensor_parallel
 
@@ -76,11 +79,16 @@ def start_workers(config: EngineConfig) -> Workers:
 
 
 def serve(config: EngineConfig, group: TPGroup) -> None:
-    """A worker rank's life: start up, then run every step the driver sends until None."""
+    """A worker rank's life: start up, then run every step the driver sends, and between
+    steps every change to its memory (a `RankCall`), until None."""
     runner, cache, _, _ = start_rank(config, group)
+    memory = RankMemory(runner, cache)
     try:
-        while (inputs := group.broadcast_object(timeout=IDLE_TIMEOUT)) is not None:
-            runner.forward(inputs)
+        while (message := group.broadcast_object(timeout=IDLE_TIMEOUT)) is not None:
+            if isinstance(message, RankCall):
+                message.run(memory)
+            else:
+                runner.forward(message)
     finally:
         runner.release()
         cache.free()

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from extkv.kv_cache.groups import KVCacheConfig, KVCacheTensor
 from extkv.kv_cache.layouts import AttentionLayout, mamba_state_views
-from extkv.kv_cache.plan import KVCacheConfig, KVCacheTensor
 from extkv.kv_cache.specs import KVCacheSpec, MambaSpec
 from extkv.vmm import (
     ExtensibleTensor,

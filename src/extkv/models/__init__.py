@@ -5,10 +5,11 @@ from extkv.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from extkv.models.gemma3 import Gemma3ForCausalLM
 from extkv.models.hf_config import ModelFacts, model_facts
 from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
+from extkv.models.llava import ImageSpec, LlavaForConditionalGeneration
 from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_model import Mamba2ForCausalLM
-from extkv.models.qwen3 import Qwen3ForCausalLM
+from extkv.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 __all__ = [
     "MODEL_REGISTRY",
@@ -16,11 +17,14 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
+    "ImageSpec",
     "LlamaForCausalLM",
+    "LlavaForConditionalGeneration",
     "Mamba2ForCausalLM",
     "Mamba2Mixer",
     "MistralForCausalLM",
     "ModelFacts",
+    "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "check_tensor_parallel",
     "load_model",

@@ -5,9 +5,9 @@ w loaded plus one, so the Llama norm and its fused kernels compute them), sandwi
 norms (after attention and after the MLP too), q/k norms, embeddings scaled by
 sqrt(hidden_size), a GELU-tanh gated MLP, the attention scaled by
 `query_pre_attn_scalar`, and two rotary tables: the local layers' own base and the
-global layers' (scaled) one. Every layer reads the one block table, so a sequence
-keeps all its blocks (the global layers see them all); a local layer's attention
-reads only its window.
+global layers' (scaled) one. Local and global layers are different KV cache groups
+(extkv.kv_cache.groups), each with its own block table: a sequence's local layers
+release the blocks out of their window as it runs, its global layers keep them all.
 """
 
 from __future__ import annotations
@@ -101,11 +101,21 @@ class Gemma3Model(nn.Module):
             }
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size)."""
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> the tokens' scaled input embeddings (T, hidden_size)."""
         hidden = self.embed_tokens(input_ids)
         # As HF: the scale rounded to the weights' dtype, then one multiply.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size);
+        `inputs_embeds` (T, hidden_size) in place of the ids' scaled embeddings."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             table = self.rotary[layer.layer_type].cos_sin_cache

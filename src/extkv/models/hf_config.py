@@ -162,10 +162,14 @@ def eos_token_ids(
 
 
 def model_facts(config: PretrainedConfig, model: str | os.PathLike | None = None) -> ModelFacts:
-    """The facts of `config`; `model` (what `resolve_model` takes) adds generation-config
-    EOS ids."""
+    """The facts of `config` (a vision-language model's: of its text model); `model` (what
+    `resolve_model` takes) adds generation-config EOS ids."""
+    text = config.get_text_config()
+    ids = eos_token_ids(config, model)
+    if text is not config:  # a text config's EOS after the checkpoint's own
+        ids = tuple(dict.fromkeys((*ids, *_as_ids(getattr(text, "eos_token_id", None)))))
     return ModelFacts(
-        max_position_embeddings=getattr(config, "max_position_embeddings", None),
-        vocab_size=config.vocab_size,
-        eos_token_ids=eos_token_ids(config, model),
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        vocab_size=text.vocab_size,
+        eos_token_ids=ids,
     )

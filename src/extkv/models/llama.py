@@ -47,8 +47,11 @@ class DecoderAttention(nn.Module):
         sliding_window: int | None = None,
         scale: float | None = None,
         norm: type[RMSNorm] = RMSNorm,
+        qkv_bias: bool | None = None,
     ) -> None:
-        """`scale`: of the scores (None: 1 / sqrt(head_dim)); `norm`: the q/k norms' kind."""
+        """`scale`: of the scores (None: 1 / sqrt(head_dim)); `norm`: the q/k norms' kind;
+        `qkv_bias`: biases on q, k and v only (Qwen2); None: the config's `attention_bias`
+        on all four projections."""
         super().__init__()
         self.head_dim = head_dim(config)
         # Tensor parallel: each rank holds whole heads, KV heads replicated when the
@@ -58,9 +61,11 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = q.size // self.head_dim, kv.size // self.head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = MergedColumnParallelLinear(
-            config.hidden_size, {"q_proj": [q], "k_proj": [kv], "v_proj": [kv]}, bias
+            config.hidden_size,
+            {"q_proj": [q], "k_proj": [kv], "v_proj": [kv]},
+            bias if qkv_bias is None else qkv_bias,
         )
-        self.o_proj = RowParallelLinear(q, config.hidden_size, bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias and qkv_bias is None)
         # Weights only: the attention kernel norms each q and k head itself.
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -135,9 +140,20 @@ class DecoderModel(nn.Module):
             head_dim(config), config.max_position_embeddings, rope_parameters(config)
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size)."""
-        hidden, residual = self.embed_tokens(input_ids), None
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> the tokens' input embeddings (T, hidden_size)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size);
+        `inputs_embeds` (T, hidden_size) in place of the ids' embeddings (images in them)."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)
         return self.norm(hidden, residual)[0]
@@ -168,6 +184,7 @@ class LlamaForCausalLM(CausalLM):
 
     qk_norm: ClassVar[bool] = False
     sliding: ClassVar[bool] = False  # every layer attends over `config.sliding_window`
+    qkv_bias: ClassVar[bool | None] = None  # None: the config's attention_bias
 
     def __init__(self, config: PretrainedConfig) -> None:
         _check_supported(config)
@@ -176,7 +193,8 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
 
         def layer(i: int) -> DecoderLayer:
-            return DecoderLayer(config, DecoderAttention(config, self.qk_norm, window))
+            attention = DecoderAttention(config, self.qk_norm, window, qkv_bias=self.qkv_bias)
+            return DecoderLayer(config, attention)
 
         super().__init__(config, DecoderModel(config, layer))
 

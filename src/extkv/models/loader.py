@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,9 +33,10 @@ from extkv.models.gguf import gguf_tensors
 from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
 from extkv.models.llama import LlamaForCausalLM, MistralForCausalLM
+from extkv.models.llava import LlavaForConditionalGeneration
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.parallel import MergedColumnParallelLinear
-from extkv.models.qwen3 import Qwen3ForCausalLM
+from extkv.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
@@ -43,8 +44,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 # For configs without `architectures` (GGUF files, some hand-written configs).
@@ -54,8 +57,10 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
     "mamba2": "Mamba2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 
@@ -190,9 +195,18 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_LISTED_NAMES]) + more
 
 
-def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot]:
-    """The slot each checkpoint name fills; a ValueError names every missing tensor and
-    every unexpected one."""
+def _renamer(model: nn.Module):  # -> Callable[[str], str]
+    """Checkpoint name -> parameter name: the model's `checkpoint_name` where it has one
+    (a layout its checkpoints spell several ways), else the name itself."""
+    return getattr(model, "checkpoint_name", None) or (lambda name: name)
+
+
+def _match(
+    model: nn.Module, available: set[str], source: str, complete: bool = True
+) -> dict[str, _Slot]:
+    """The slot each name of `available` (checkpoint names as `_renamer` maps them) fills;
+    a ValueError names every unexpected tensor and, when the tensors must be `complete`,
+    every missing one. `source` says whose names they are ("checkpoint PATH")."""
     chosen: dict[str, _Slot] = {}
     missing: list[str] = []
     known: set[str] = set()
@@ -201,7 +215,7 @@ def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot
         present = [name for name in slot.names if name in available]
         if present:
             chosen[present[0]] = slot  # tied: the first module's name wins, as in HF
-        else:
+        elif complete:
             missing.append(slot.names[0])
     ignores = getattr(model, "ignores_tensor", None)  # a model's own extra tensors
     unexpected = [
@@ -212,9 +226,7 @@ def _match(model: nn.Module, available: set[str], where: str) -> dict[str, _Slot
     if missing or unexpected:
         problems = [f"missing tensors: {_listing(missing)}"] if missing else []
         problems += [f"unexpected tensors: {_listing(unexpected)}"] if unexpected else []
-        raise ValueError(
-            f"checkpoint {where} does not match {type(model).__name__}: " + "; ".join(problems)
-        )
+        raise ValueError(f"{source} does not match {type(model).__name__}: " + "; ".join(problems))
     return chosen
 
 
@@ -223,12 +235,16 @@ def _progress(total: int, show: bool) -> tqdm:
     return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show)
 
 
-def _fill_slot(slot: _Slot, name: str, tensor: torch.Tensor, where: str) -> None:
+def _fill_slot(
+    slot: _Slot, tensor: torch.Tensor, what: str, into: nn.Parameter | None = None
+) -> None:
+    """Load `tensor` (`what`, for errors) through the slot's weight loader, into its
+    parameter or the stand-in `into` (a dry run on the meta device)."""
     weight_loader = getattr(slot.param, "weight_loader", default_weight_loader)
     try:
-        weight_loader(slot.param, tensor, slot.part)
+        weight_loader(slot.param if into is None else into, tensor, slot.part)
     except ValueError as e:
-        raise ValueError(f"checkpoint tensor {name} in {where}: {e}") from None
+        raise ValueError(f"{what}: {e}") from None
 
 
 @torch.no_grad()
@@ -236,17 +252,23 @@ def load_weights(
     model: nn.Module, path: str, device: torch.device, show_progress: bool = True
 ) -> None:
     """Fill every parameter of `model` from the safetensors of `path`, casting to its dtype."""
+    rename = _renamer(model)
     names_in: dict[str, list[str]] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             names_in[file] = list(f.keys())
-    chosen = _match(model, set().union(*names_in.values()), path)
+    chosen = _match(
+        model, {rename(n) for names in names_in.values() for n in names}, f"checkpoint {path}"
+    )
     with _progress(len(chosen), show_progress) as bar:
         for file, names in names_in.items():
             with safe_open(file, framework="pt", device=str(device)) as f:
-                for name in filter(chosen.__contains__, names):
-                    _fill_slot(chosen[name], name, f.get_tensor(name), file)
-                    bar.update()
+                for name in names:
+                    slot = chosen.get(rename(name))
+                    if slot is not None:
+                        what = f"checkpoint tensor {name} in {file}"
+                        _fill_slot(slot, f.get_tensor(name), what)
+                        bar.update()
 
 
 @torch.no_grad()
@@ -259,10 +281,65 @@ def load_tensors(
 ) -> None:
     """Fill every parameter of `model` from `tensors` (Hugging Face names, all in memory, as
     a GGUF file's are), releasing each once loaded so that two copies never coexist."""
-    chosen = _match(model, set(tensors), where)
+    rename = _renamer(model)
+    chosen = _match(model, set(map(rename, tensors)), f"checkpoint {where}")
     with _progress(len(chosen), show_progress) as bar:
         for name in list(tensors):
             tensor = tensors.pop(name)
-            if name in chosen:
-                _fill_slot(chosen[name], name, tensor.to(device), where)
+            slot = chosen.get(rename(name))
+            if slot is not None:
+                what = f"checkpoint tensor {name} in {where}"
+                _fill_slot(slot, tensor.to(device), what)
                 bar.update()
+
+
+# Whose names `check_weights` matches, for its errors.
+_GIVEN = "the weights given to load_weights (checkpoint names, as transformers' state_dict() has)"
+
+
+@torch.no_grad()
+def check_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], why_all: str | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of `weights` that fill parameters of `model`, in their order,
+    each checked before any is loaded (a generator is read whole first): its name against
+    the model's (with `why_all`, the reason, every parameter must be given), its shape
+    through a dry run of its weight loader on the meta device. Names the model ignores, and
+    a tied parameter's names after its first, are left out, as they are from a checkpoint.
+    Names come back as `_renamer` maps them (the parameters' own spelling)."""
+    rename = _renamer(model)
+    given: dict[str, torch.Tensor] = {}
+    for item in weights:
+        if not (
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            raise ValueError(f"weights must be (name, tensor) pairs; got {item!r:.80}")
+        name, tensor = rename(item[0]), item[1]
+        if name in given:
+            raise ValueError(f"load_weights: {name} is given twice")
+        if not tensor.is_floating_point():
+            raise ValueError(
+                f"load_weights: {name} has dtype {tensor.dtype}; a floating-point tensor is "
+                "expected (it is cast to the model's dtype)"
+            )
+        given[name] = tensor
+    source = _GIVEN
+    if why_all is not None:
+        source += f", which must give every parameter ({why_all}),"
+    chosen = _match(model, set(given), source, complete=why_all is not None)
+    for name, slot in chosen.items():
+        stand_in = nn.Parameter(torch.empty_like(slot.param, device="meta"), requires_grad=False)
+        _fill_slot(slot, given[name].to("meta"), f"load_weights: {name}", into=stand_in)
+    return [(name, tensor) for name, tensor in given.items() if name in chosen]
+
+
+@torch.no_grad()
+def fill_weights(model: nn.Module, names: list[str], tensors: Iterable[torch.Tensor]) -> None:
+    """Load `tensors` into the parameters `names` name (pairs `check_weights` passed), one
+    at a time, in place: the parameters keep their addresses."""
+    chosen = _match(model, set(names), _GIVEN, complete=False)
+    for name, tensor in zip(names, tensors, strict=True):
+        _fill_slot(chosen[name], tensor, f"load_weights: {name}")

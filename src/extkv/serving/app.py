@@ -2,9 +2,11 @@
 its life: started with the engine, stopped gracefully, gone when the engine dies.
 
 Handlers parse and check a request, turn it into prompt token ids and
-SamplingParams (parsing and tokenizing off the event loop), and hand it to the
-`AsyncEngine`; they wait for its deltas while watching the connection, so a client
-that goes away aborts its request. Guards (`extkv.serving.guards`) come first.
+SamplingParams (parsing and tokenizing off the event loop; a chat message's images,
+data: URLs or file:// URLs inside --allowed-local-media-path, are decoded and
+preprocessed there too), and hand it to the `AsyncEngine`; they wait for its deltas
+while watching the connection, so a client that goes away aborts its request. Guards
+(`extkv.serving.guards`) come first.
 
 Elastic memory, behind the API key: `GET /kv_cache` and `POST /kv_cache/resize`
 always; `POST /sleep`, `POST /wake_up` and `GET /is_sleeping` only with
@@ -23,7 +25,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,6 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from extkv import __version__
+from extkv.engine.chat_content import chat_inputs, content_format
 from extkv.engine.elastic import SLEEP_LEVELS, TAGS
 from extkv.engine.errors import (
     EngineAsleepError,
@@ -45,6 +48,7 @@ from extkv.engine.errors import (
     RequestFailedError,
 )
 from extkv.engine.llm_engine import LLMEngine
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.sampling_params import SamplingParams
 from extkv.options import Bool, Choice, Kind
 from extkv.serving.async_engine import (
@@ -61,6 +65,7 @@ from extkv.serving.prompts import PromptEncoder
 from extkv.serving.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     KVCacheResizeRequest,
@@ -217,12 +222,19 @@ class _Server:
         self._metrics = ServerMetrics()
         self.engine = AsyncEngine(engine, self._metrics, settings.max_pending_requests)
         self.max_model_len = engine.config.max_model_len
+        self.textless = engine.tokenizer is None  # token ids in, token ids out
+        template = settings.chat_template_text()
         self.prompts = PromptEncoder(
-            engine.tokenizer,
-            settings.model_name,
-            self.max_model_len,
-            settings.chat_template_text(),
+            engine.tokenizer, settings.model_name, self.max_model_len, template
         )
+        # Images: how the chat template takes a message's parts, the placeholder text an
+        # image part becomes, the folder file:// URLs may read; the engine's preprocessing.
+        template = template or getattr(engine.tokenizer, "chat_template", None)
+        self.content_format = content_format(template)
+        self.image_placeholder = engine.image_placeholder
+        self.media_folder = engine.config.allowed_local_media_path
+        self.takes_images = engine.multimodal is not None
+        self.process_multimodal = engine.process_multimodal
         self.created = int(time.time())
 
     async def check_api_key(self, request: Request) -> None:
@@ -237,6 +249,8 @@ class _Server:
         self._check_model(body.model)
         given = body.prompts
         prompts = await asyncio.gather(*map(self._prompt_ids, given))
+        # No images here: a placeholder in a prompt is refused (the chat endpoint takes them).
+        prompts = [(await self._with_images(p, [], "prompt"))[0] for p in prompts]
         echo = None
         if body.echo:  # the prompt's text as sent, or its token ids decoded
             texts = await asyncio.gather(*map(self._prompt_text, given, prompts))
@@ -252,9 +266,9 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        prompt = await self.prompts.encode_chat([m.as_dict() for m in body.messages])
+        prompt, images = await self._chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._generate(request, body, [prompt], max_tokens)
+        return await self._generate(request, body, [prompt], max_tokens, images=[images])
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt's or chat's token ids, their count and the limit."""
@@ -264,9 +278,8 @@ class _Server:
             special = body.add_special_tokens is not False
             ids = await self.prompts.encode(body.prompt, "prompt", special, whole=True)
         else:
-            messages = [m.as_dict() for m in body.messages or []]
             generation, special = body.add_generation_prompt, bool(body.add_special_tokens)
-            ids = await self.prompts.encode_chat(messages, generation, special, whole=True)
+            ids, _ = await self._chat_prompt(body.messages or [], generation, special, whole=True)
         strs = await self.prompts.token_strs(ids) if body.return_token_strs else None
         return JSONResponse(
             {
@@ -348,6 +361,41 @@ class _Server:
             sleeping = await self.engine.control(LLMEngine.is_sleeping)
         return JSONResponse({"is_sleeping": sleeping})
 
+    async def _chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        whole: bool = False,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The ids of the chat template applied to `messages` (images expanded to their
+        placeholder runs) and the images; a 400 naming `messages` for an image that cannot
+        be had or is not wanted. `whole` as in PromptEncoder.encode."""
+        raw = [m.as_dict() for m in messages]
+        args = (raw, self.content_format, self.image_placeholder, self.media_folder)
+        turns, images = await self._checked(chat_inputs, "messages", *args)
+        ids = await self.prompts.encode_chat(
+            turns, add_generation_prompt, add_special_tokens, whole
+        )
+        return await self._with_images(ids, images, "messages")
+
+    async def _with_images(
+        self, ids: list[int], images: list[Any], field: str
+    ) -> tuple[list[int], list[ImageInput]]:
+        """A vision-language model's prompt with its images preprocessed and its placeholders
+        expanded (a 400 naming `field` when they do not match); a text model's as it is."""
+        if not self.takes_images:
+            return ids, []
+        data = {"image": images} if images else None
+        return await self._checked(self.process_multimodal, field, ids, data)
+
+    async def _checked(self, fn: Callable[..., T], field: str, *args: Any) -> T:
+        """`fn(*args)` on a thread, its ValueError a 400 naming `field`."""
+        try:
+            return await self.prompts.parse(fn, *args)
+        except ValueError as e:
+            raise APIError(400, str(e), field) from None
+
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await self.prompts.encode(prompt, "prompt")
@@ -365,6 +413,7 @@ class _Server:
         prompts: list[list[int]],
         max_tokens: int | None,
         echo: _Echo | None = None,
+        images: list[list[ImageInput]] | None = None,
     ) -> Response:
         """Run the prompts, `n` choices each, and answer whole or as a stream; choice j of
         prompt i is index i * n + j, as vLLM numbers them."""
@@ -377,7 +426,10 @@ class _Server:
             self._check_num_choices(len(prompts) * body.n)
             requests = [
                 EngineRequest(
-                    prompt, self._sampling_params(body, len(prompt), max_tokens), i * body.n
+                    prompt,
+                    self._sampling_params(body, len(prompt), max_tokens),
+                    i * body.n,
+                    images[i] if images else [],
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -388,7 +440,7 @@ class _Server:
             result = await _unless_disconnected(request, work)
         if result is None:
             return Response(status_code=499)  # the client closed the connection
-        choices = _Choices(reply, prompts, body.n, body.num_logprobs, echo)
+        choices = _Choices(reply, prompts, body.n, body.num_logprobs, echo, self.textless)
         if body.stream:
             events = _sse(choices, result, deltas, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -562,7 +614,8 @@ class _Choices:
     """The choices of one response as its chunks show them: a choice's first chunk adds
     the echoed prompt, the prompt's ids and the chat role; in a stream, a delta with no
     text waits (its tokens joining the next) unless it ends its choice, so that no chunk
-    is empty."""
+    is empty. A model without a tokenizer (`textless`) has only token ids to show: each
+    delta with new ones is a chunk."""
 
     def __init__(
         self,
@@ -571,8 +624,10 @@ class _Choices:
         n: int,
         num_logprobs: int | None,
         echo: _Echo | None,
+        textless: bool = False,
     ) -> None:
         self.reply = reply
+        self.textless = textless
         self.prompts = prompts
         self.n = n
         self.num_logprobs = num_logprobs
@@ -620,7 +675,8 @@ class _Choices:
         if held is not None:
             delta = held.then(delta)
         echo = self.echo is not None and delta.index not in self._last
-        if delta.text or delta.finish_reason is not None or echo:
+        shown = delta.text or (self.textless and delta.token_ids)
+        if shown or delta.finish_reason is not None or echo:
             return delta
         self._held[delta.index] = delta
         return None

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from extkv.engine.errors import (
     RequestFailedError,
 )
 from extkv.engine.llm_engine import LLMEngine
+from extkv.engine.multimodal import ImageInput
 from extkv.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from extkv.engine.sampling_params import SamplingParams
 from extkv.serving.metrics import ServerMetrics
@@ -76,12 +78,14 @@ class Delta:
 
 @dataclass
 class EngineRequest:
-    """One engine request of an API request: a prompt and its `params.n` choices,
-    numbered from `first_index` in the response."""
+    """One engine request of an API request: a prompt (its images preprocessed, their
+    placeholders expanded) and its `params.n` choices, numbered from `first_index` in the
+    response."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     first_index: int
+    images: list[ImageInput] = field(default_factory=list)
 
 
 class RequestStream:
@@ -142,6 +146,7 @@ class _Live:
     params: SamplingParams
     choices: list[_Choice]
     arrival: float
+    images: list[ImageInput]
     last_token_at: float | None = None
 
     def unfinished(self) -> int:
@@ -173,6 +178,9 @@ class _Control:
     when_idle: bool
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class AsyncEngine:
     """The LLMEngine on a thread of its own: handlers `submit` and abort through its inbox
     and read each request's deltas from a RequestStream."""
@@ -201,6 +209,10 @@ class AsyncEngine:
         """Start the engine thread; call from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
         self.metrics.update_engine(self.engine.stats())  # capacity shown before the first request
+        # The engine thread runs Python between device steps; by default it hands the GIL
+        # to a waiting thread only every 5 ms, so the event loop (woken by a step's
+        # deltas) would wait out several 1-3 ms steps and send their tokens in one burst.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def abort_all(self, reason: str) -> None:
@@ -253,7 +265,9 @@ class AsyncEngine:
                 )
                 for j in range(params.n)
             ]
-            live = _Live(engine_id, stream, request.prompt_token_ids, params, choices, now)
+            live = _Live(
+                engine_id, stream, request.prompt_token_ids, params, choices, now, request.images
+            )
             self._inbox.put(live)
         return stream
 
@@ -353,7 +367,9 @@ class AsyncEngine:
             self._post([(live.stream, refusal, live.unfinished())])
             return
         try:
-            self.engine.add_request(live.prompt_token_ids, live.params, request_id=request_id)
+            self.engine.add_request(
+                live.prompt_token_ids, live.params, request_id=request_id, images=live.images
+            )
         except EngineDeadError:
             raise
         except (ValueError, EngineStateError) as e:  # the request's fault, or asleep: a 4xx/503

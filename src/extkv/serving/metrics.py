@@ -56,6 +56,24 @@ class ServerMetrics:
         self.sleep_level = Gauge(
             "extkv_sleep_level", "sleep mode: 0 awake, else the level slept at", registry=r
         )
+        self.encoder_cache_tokens = Gauge(
+            "extkv_encoder_cache_tokens",
+            "image embeddings the encoder cache holds at most (0: a model without images)",
+            registry=r,
+        )
+        self.encoder_cache_used_tokens = Gauge(
+            "extkv_encoder_cache_used_tokens",
+            "image embeddings in the encoder cache now",
+            registry=r,
+        )
+        self.encoder_cache_hits = Gauge(
+            "extkv_encoder_cache_hits",
+            "images found in the encoder cache since start (not encoded again)",
+            registry=r,
+        )
+        self.encoder_cache_misses = Gauge(
+            "extkv_encoder_cache_misses", "images encoded since start", registry=r
+        )
         self.prompt_tokens = Counter("extkv_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("extkv_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter(
@@ -88,6 +106,10 @@ class ServerMetrics:
         self.kv_resizes.labels("grow").set(stats.num_kv_grows)
         self.kv_resizes.labels("shrink").set(stats.num_kv_shrinks)
         self.sleep_level.set(stats.sleep_level)
+        self.encoder_cache_tokens.set(stats.encoder_cache_tokens)
+        self.encoder_cache_used_tokens.set(stats.encoder_cache_used_tokens)
+        self.encoder_cache_hits.set(stats.encoder_cache_hits)
+        self.encoder_cache_misses.set(stats.encoder_cache_misses)
 
     def render(self) -> bytes:
         """The registry in Prometheus's text format, for `/metrics`."""

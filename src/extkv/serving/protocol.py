@@ -190,29 +190,48 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(_Strict):
-    """A text part of a message's content, the only kind a text model reads."""
+    """A text part of a message's content."""
 
     type: Literal["text"]
     text: str
 
 
+class ImageURL(_Strict):
+    """Where an image part's image is: a data: URL (or a file:// URL the server allows)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; every image is whole here
+
+
+class ImageURLPart(_Strict):
+    """An image part of a message's content, for a vision-language model."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 Content = Annotated[
-    str | list[TextPart], _one_of('a string or a list of {"type": "text", "text": ...} parts')
+    str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]],
+    _one_of(
+        'a string or a list of {"type": "text", "text": ...} and {"type": "image_url", '
+        '"image_url": {"url": ...}} parts'
+    ),
 ]
 
 
 class ChatMessage(_Strict):
-    """One chat turn; its content a string or a list of text parts."""
+    """One chat turn; its content a string or a list of text and image parts."""
 
     role: Literal["system", "user", "assistant"]
     content: Content
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it, the parts' text joined into one string."""
-        text = self.content
-        if not isinstance(text, str):
-            text = "".join(part.text for part in text)
-        return {"role": self.role, "content": text}
+    def as_dict(self) -> dict[str, Any]:
+        """The message as plain data: content a string, or the parts as dicts (what
+        extkv.engine.chat_content turns into the chat template's messages)."""
+        content = self.content
+        if not isinstance(content, str):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {"role": self.role, "content": content}
 
 
 class ChatCompletionRequest(_GenerationRequest):

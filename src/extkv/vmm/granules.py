@@ -5,7 +5,10 @@ granules, merged, and every contiguous run of still-unmapped granules becomes
 ONE physical allocation with one map and one access call, because per-call
 driver cost dominates (4 GiB in 2 MiB pieces ~0.13 s, in one piece ~1 ms on an
 H200). A granule touched by two ranges, e.g. one straddling a segment
-boundary, is therefore mapped exactly once.
+boundary, is therefore mapped exactly once. Runs are cut only at the fixed
+MAX_ALLOCATION_BYTES grid of the reservation: 100 GiB is still ~100 calls, and a
+shrink that ends inside an allocation has at most one chunk's kept bytes to copy
+(below), instead of the whole cache, which would not fit beside itself.
 
 Releases arrive as the byte ranges still needed: every mapped granule none of
 them touches is given back. An allocation wholly outside goes at once; one cut
@@ -25,6 +28,8 @@ from extkv.vmm.backend import Backend, VirtualMemoryOutOfMemory
 
 logger = logging.getLogger(__name__)
 
+MAX_ALLOCATION_BYTES = 1 << 30  # one physical allocation spans at most this (one grid cell)
+
 
 @dataclass
 class _Allocation:
@@ -38,6 +43,7 @@ class GranuleMap:
 
     def __init__(self, backend: Backend, base: int, num_granules: int) -> None:
         self._backend = backend
+        self._chunk = max(1, MAX_ALLOCATION_BYTES // backend.granularity)  # granules
         self._base = base
         self._mapped = bytearray(num_granules)  # 1 = backed by physical memory
         self._allocations: list[_Allocation] = []
@@ -148,9 +154,14 @@ class GranuleMap:
         return [(lo, hi) for lo, hi in merged]
 
     def _unmapped_runs(self, byte_ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-        """(first granule, count) of each maximal run of unmapped granules the ranges touch."""
+        """(first granule, count) of each maximal run of unmapped granules the ranges touch,
+        cut at the allocation grid."""
+        chunk = self._chunk
         return [
-            run for lo, hi in self._spans(byte_ranges) for run in _runs(self._mapped, 0, lo, hi)
+            (start, min(first + count, (start // chunk + 1) * chunk) - start)
+            for lo, hi in self._spans(byte_ranges)
+            for first, count in _runs(self._mapped, 0, lo, hi)
+            for start in [first, *range((first // chunk + 1) * chunk, first + count, chunk)]
         ]
 
 

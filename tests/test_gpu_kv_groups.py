@@ -1,0 +1,131 @@
+"""KV cache groups on CUDA, bf16, CUDA graphs on: Gemma 3 (five local sliding-window
+groups and a global one) and a Bamba of five attention layers to one Mamba layer (five
+attention groups beside a state group), so the captured decode graphs read a block table
+per group. Extensible equals legacy exactly, the local groups release blocks out of
+their window, and greedy follows transformers up to logit ties."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from extkv import LLM, SamplingParams
+from extkv.demo import make_random_checkpoint
+from helpers import HF_GROUPS, assert_follows_transformers_in_bf16
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 2048
+WINDOW = 32
+MODELS = {
+    "gemma3": dict(
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=WINDOW,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        initializer_range=0.1,
+    ),
+    "bamba": dict(
+        num_hidden_layers=6,
+        attn_layer_indices=[0, 1, 2, 4, 5],
+        mamba_n_heads=16,
+        mamba_d_head=32,
+        mamba_n_groups=HF_GROUPS,
+        initializer_range=0.1,
+    ),
+}
+KINDS = {
+    "gemma3": ["sliding_window"] * 5 + ["full_attention"],
+    "bamba": ["full_attention"] * 5 + ["mamba"],
+}
+OPTIONS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+def build(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(
+        tmp_path_factory.mktemp(family),
+        family,
+        with_tokenizer=False,
+        dtype=torch.bfloat16,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        **MODELS[family],
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path]:
+    return request.param, build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("gemma3", tmp_path_factory)
+
+
+def prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(1, VOCAB, (int(k),), generator=gen).tolist() for k in range(5, 5 + 23 * n, 23)
+    ]
+
+
+def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_extensible_equals_legacy_with_cuda_graphs(checkpoint: tuple[str, Path]) -> None:
+    family, path = checkpoint
+    ids = prompts(12)  # 5 to 258 tokens: most past the window
+    legacy = LLM(path, **OPTIONS)
+    runner = legacy.engine.runner
+    assert runner.graphs is not None and runner.graphs.graphs
+    kinds = [g.kind for g in runner.kv_plan.groups]
+    assert kinds == KINDS[family]
+    expected = run(legacy, ids, 48)
+    legacy.close()
+    extensible = LLM(path, enable_extensible_kv_cache=True, **OPTIONS)
+    report = extensible.memory_report()
+    assert [g["kind"] for g in report["kv_cache_groups"]] == kinds
+    assert report["graph_pool_bytes"] > 0
+    assert run(extensible, ids, 48) == expected
+    blocks = extensible.engine.block_manager
+    assert blocks.num_used_blocks_by_group == [0] * len(kinds)
+    extensible.close()
+
+
+def test_local_groups_hold_a_window_while_decoding_under_graphs(gemma3: Path) -> None:
+    """A 258-token prompt and 200 tokens decoded by the graphs: each local group holds the
+    blocks of its window and the new token's, the global group all of them."""
+    llm = LLM(gemma3, **OPTIONS)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request(prompts(12)[-1], params)
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step(finished_only=True)
+        held.append(engine.block_manager.num_used_blocks_by_group)
+    size = engine.runner.kv_plan.block_size
+    window_blocks = -(-(WINDOW - 1 + 1) // size) + 1  # a decode step's bound
+    assert max(max(h[:5]) for h in held[1:-1]) <= window_blocks
+    assert max(h[5] for h in held) == -(-(258 + 200 - 1) // size)
+    llm.close()
+
+
+def test_greedy_follows_transformers_in_bf16(checkpoint: tuple[str, Path]) -> None:
+    _, path = checkpoint
+    ids = prompts(6)
+    llm = LLM(path, max_model_len=512, max_num_seqs=8)
+    ours = run(llm, ids, 12)
+    llm.close()
+    assert_follows_transformers_in_bf16(path, ids, ours)
