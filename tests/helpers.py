@@ -234,10 +234,11 @@ def hf_greedy(
 
 
 def assert_follows_transformers_in_bf16(
-    path: Path, prompts: list[list[int]], tokens: list[list[int]]
+    path: Path, prompts: list[list[int]], tokens: list[list[int]], tolerance: float = 0.03
 ) -> None:
     """extkv's greedy `tokens` of each prompt are transformers' bf16 greedy ones on CUDA, or
-    part from them only where transformers' two candidates' logits (nearly) tie."""
+    part from them only where transformers' two candidates' logits (nearly) tie: apart by
+    at most `tolerance` of the largest logit."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = model.cuda().eval()
     model.generation_config.eos_token_id = None
@@ -254,7 +255,22 @@ def assert_follows_transformers_in_bf16(
         with torch.no_grad():
             logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
         gap = (logits[hf[i]] - logits[ours[i]]).abs().item()
-        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
+        assert gap <= tolerance * logits.abs().max().item(), (
+            f"diverged at token {i}: transformers {hf[i]} vs extkv {ours[i]}, logit gap {gap}"
+        )
+
+
+def prompts_growing_by(step: int, n: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of 5, 5 + step, 5 + 2 step, ... random token ids in [1, vocab), seeded."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(1, vocab, (k,), generator=gen).tolist() for k in range(5, 5 + step * n, step)
+    ]
+
+
+def greedy(max_tokens: int, **options: object) -> SamplingParams:
+    """Greedy decoding of `max_tokens` tokens (EOS ignored), with any other `options`."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **options)
 
 
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from extkv import LLM, SamplingParams
+from extkv import LLM
 from extkv.demo import make_random_checkpoint
-from helpers import HF_GROUPS, assert_follows_transformers_in_bf16
+from helpers import (
+    HF_GROUPS,
+    assert_follows_transformers_in_bf16,
+    extkv_tokens,
+    greedy,
+    prompts_growing_by,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -71,34 +77,21 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("gemma3", tmp_path_factory)
 
 
-def prompts(n: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        torch.randint(1, VOCAB, (int(k),), generator=gen).tolist() for k in range(5, 5 + 23 * n, 23)
-    ]
-
-
-def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_extensible_equals_legacy_with_cuda_graphs(checkpoint: tuple[str, Path]) -> None:
     family, path = checkpoint
-    ids = prompts(12)  # 5 to 258 tokens: most past the window
+    ids = prompts_growing_by(23, 12, VOCAB)  # 5 to 258 tokens: most past the window
     legacy = LLM(path, **OPTIONS)
     runner = legacy.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs
     kinds = [g.kind for g in runner.kv_plan.groups]
     assert kinds == KINDS[family]
-    expected = run(legacy, ids, 48)
+    expected = extkv_tokens(legacy, ids, greedy(48))
     legacy.close()
     extensible = LLM(path, enable_extensible_kv_cache=True, **OPTIONS)
     report = extensible.memory_report()
     assert [g["kind"] for g in report["kv_cache_groups"]] == kinds
     assert report["graph_pool_bytes"] > 0
-    assert run(extensible, ids, 48) == expected
+    assert extkv_tokens(extensible, ids, greedy(48)) == expected
     blocks = extensible.engine.block_manager
     assert blocks.num_used_blocks_by_group == [0] * len(kinds)
     extensible.close()
@@ -109,8 +102,7 @@ def test_local_groups_hold_a_window_while_decoding_under_graphs(gemma3: Path) ->
     blocks of its window and the new token's, the global group all of them."""
     llm = LLM(gemma3, **OPTIONS)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    engine.add_request(prompts(12)[-1], params)
+    engine.add_request(prompts_growing_by(23, 12, VOCAB)[-1], greedy(200))
     held = []
     while engine.has_unfinished_requests():
         engine.step(finished_only=True)
@@ -124,8 +116,8 @@ def test_local_groups_hold_a_window_while_decoding_under_graphs(gemma3: Path) ->
 
 def test_greedy_follows_transformers_in_bf16(checkpoint: tuple[str, Path]) -> None:
     _, path = checkpoint
-    ids = prompts(6)
+    ids = prompts_growing_by(23, 6, VOCAB)
     llm = LLM(path, max_model_len=512, max_num_seqs=8)
-    ours = run(llm, ids, 12)
+    ours = extkv_tokens(llm, ids, greedy(12))
     llm.close()
     assert_follows_transformers_in_bf16(path, ids, ours)

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from extkv import LLM, SamplingParams
+from extkv import LLM
 from extkv.demo import make_random_checkpoint
-from helpers import HF_GROUPS, assert_follows_transformers_in_bf16
+from helpers import (
+    HF_GROUPS,
+    assert_follows_transformers_in_bf16,
+    extkv_tokens,
+    greedy,
+    prompts_growing_by,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,27 +54,14 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     )
 
 
-def prompts(n: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        torch.randint(1, VOCAB, (int(k),), generator=gen).tolist() for k in range(5, 5 + 9 * n, 9)
-    ]
-
-
-def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_extensible_equals_legacy_with_cuda_graphs(
     checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ids = prompts(12)
+    ids = prompts_growing_by(9, 12, VOCAB)
     options = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
     legacy = LLM(checkpoint, **options)
     assert legacy.engine.runner.graphs is not None and legacy.engine.runner.graphs.graphs
-    expected = run(legacy, ids, 24)
+    expected = extkv_tokens(legacy, ids, greedy(24))
     legacy.close()
     with caplog.at_level(logging.INFO, logger="extkv"):
         extensible = LLM(checkpoint, enable_extensible_kv_cache=True, **options)
@@ -78,13 +71,13 @@ def test_extensible_equals_legacy_with_cuda_graphs(
         m.startswith(f"Extended KV cache to {report['num_blocks']} blocks. ") for m in messages
     )
     assert report["kv_bytes_by_kind"] and report["graph_pool_bytes"] > 0
-    assert run(extensible, ids, 24) == expected
+    assert extkv_tokens(extensible, ids, greedy(24)) == expected
     extensible.close()
 
 
 def test_greedy_follows_transformers_in_bf16(checkpoint: Path) -> None:
-    ids = prompts(6)
+    ids = prompts_growing_by(9, 6, VOCAB)
     llm = LLM(checkpoint, max_model_len=512, max_num_seqs=8)
-    ours = run(llm, ids, 12)
+    ours = extkv_tokens(llm, ids, greedy(12))
     llm.close()
     assert_follows_transformers_in_bf16(checkpoint, ids, ours)
