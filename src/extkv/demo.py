@@ -104,6 +104,22 @@ QWEN3_0_6B_SHAPE = dict(
     initializer_range=0.02,
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The tiny text model every architecture starts from (its own `_ARCHITECTURES` defaults
+# and the caller's overrides on top); LLaVA's language model too.
+_TINY_TEXT: dict[str, object] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=0,
+    bos_token_id=0,
+    pad_token_id=0,
+    # Larger than the usual 0.02, so greedy decoding wanders over the vocabulary
+    # instead of repeating one token: tests then notice a wrong step.
+    initializer_range=0.3,
+)
 
 
 def train_tokenizer(vocab_size: int = 384):  # -> PreTrainedTokenizerFast
@@ -144,22 +160,7 @@ def make_random_checkpoint(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-        # Larger than the usual 0.02, so greedy decoding wanders over the vocabulary
-        # instead of repeating one token: tests then notice a wrong step.
-        initializer_range=0.3,
-    )
+    common = {**_TINY_TEXT, "vocab_size": vocab_size, "tie_word_embeddings": tie_word_embeddings}
     if architecture not in _ARCHITECTURES:
         raise ValueError(
             f"architecture must be one of {sorted(_ARCHITECTURES)}; got {architecture!r}"
@@ -256,21 +257,8 @@ def make_random_llava(
         }
     )
     config_name, _, text_defaults = _ARCHITECTURES[text_architecture]
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-        initializer_range=0.3,  # see make_random_checkpoint
-        **text_defaults,
-    )
-    text_config = getattr(transformers, config_name)(**{**text, **(text_overrides or {})})
+    text = {**_TINY_TEXT, "vocab_size": len(tokenizer), **text_defaults, **(text_overrides or {})}
+    text_config = getattr(transformers, config_name)(**text)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     config = transformers.LlavaConfig(
         vision_config=vision_config,
