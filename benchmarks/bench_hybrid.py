@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,10 +27,9 @@ from _common import (
     decode_throughput,
     engine_options,
     hf_decode_throughput,
-    measure_trees,
-    report,
+    measure_and_report,
+    random_checkpoint,
     tiny_checkpoint,
-    write_json,
 )
 from extkv import LLM
 
@@ -56,19 +56,10 @@ class Setting:
 SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
 
 
-def bamba_checkpoint(folder: str = "/tmp/extkv-bench/bamba") -> Path:
-    path = Path(folder)
-    if not (path / "config.json").exists():
-        from extkv.demo import BAMBA_BENCH_SHAPE, make_random_checkpoint
-
-        make_random_checkpoint(
-            path, "bamba", with_tokenizer=False, dtype=torch.bfloat16, **BAMBA_BENCH_SHAPE
-        )
-    return path
-
-
 def checkpoint(args) -> Path:
-    return tiny_checkpoint("bamba") if args.smoke else bamba_checkpoint()
+    if args.smoke:
+        return tiny_checkpoint("bamba")
+    return random_checkpoint("/tmp/extkv-bench/bamba", "bamba", "BAMBA_BENCH_SHAPE")
 
 
 def vocab_size(path: Path) -> int:
@@ -125,12 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     checkpoint(args)  # here, before any child: built by this tree's extkv.demo
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    add_transformers(args, results["after"]["rows"])
-    report("hybrid", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "hybrid", COLUMNS, add=partial(add_transformers, args))
 
 
 if __name__ == "__main__":
