@@ -17,6 +17,7 @@ from transformers.models.mamba2 import modeling_mamba2
 
 from extkv import LLM
 from extkv.attention import ForwardContext, set_forward_context
+from extkv.demo import make_random_checkpoint
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
@@ -258,6 +259,26 @@ def assert_follows_transformers_in_bf16(
         assert gap <= tolerance * logits.abs().max().item(), (
             f"diverged at token {i}: transformers {hf[i]} vs extkv {ours[i]}, logit gap {gap}"
         )
+
+
+SMALL_VOCAB = 2048
+
+
+def small_bf16_checkpoint(folder: Path, architecture: str, **shape: object) -> Path:
+    """A small random bf16 checkpoint of one of extkv.demo's architectures for the GPU engine
+    tests (hidden size 256, SMALL_VOCAB tokens, weights drawn at std 0.1): `shape` sets the
+    layers."""
+    return make_random_checkpoint(
+        folder,
+        architecture,
+        with_tokenizer=False,
+        dtype=torch.bfloat16,
+        vocab_size=SMALL_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=0.1,
+        **shape,
+    )
 
 
 def prompts_growing_by(step: int, n: int, vocab: int) -> list[list[int]]:

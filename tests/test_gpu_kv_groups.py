@@ -9,21 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from extkv import LLM
-from extkv.demo import make_random_checkpoint
 from helpers import (
     HF_GROUPS,
+    SMALL_VOCAB,
     assert_follows_transformers_in_bf16,
     extkv_tokens,
     greedy,
     prompts_growing_by,
+    small_bf16_checkpoint,
 )
 
 pytestmark = pytest.mark.gpu
 
-VOCAB = 2048
 WINDOW = 32
 MODELS = {
     "gemma3": dict(
@@ -34,7 +33,6 @@ MODELS = {
         num_key_value_heads=2,
         head_dim=64,
         query_pre_attn_scalar=64,
-        initializer_range=0.1,
     ),
     "bamba": dict(
         num_hidden_layers=6,
@@ -42,7 +40,6 @@ MODELS = {
         mamba_n_heads=16,
         mamba_d_head=32,
         mamba_n_groups=HF_GROUPS,
-        initializer_range=0.1,
     ),
 }
 KINDS = {
@@ -53,16 +50,7 @@ OPTIONS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
 
 
 def build(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(
-        tmp_path_factory.mktemp(family),
-        family,
-        with_tokenizer=False,
-        dtype=torch.bfloat16,
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        **MODELS[family],
-    )
+    return small_bf16_checkpoint(tmp_path_factory.mktemp(family), family, **MODELS[family])
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -79,7 +67,7 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_extensible_equals_legacy_with_cuda_graphs(checkpoint: tuple[str, Path]) -> None:
     family, path = checkpoint
-    ids = prompts_growing_by(23, 12, VOCAB)  # 5 to 258 tokens: most past the window
+    ids = prompts_growing_by(23, 12, SMALL_VOCAB)  # 5 to 258 tokens: most past the window
     legacy = LLM(path, **OPTIONS)
     runner = legacy.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs
@@ -102,7 +90,7 @@ def test_local_groups_hold_a_window_while_decoding_under_graphs(gemma3: Path) ->
     blocks of its window and the new token's, the global group all of them."""
     llm = LLM(gemma3, **OPTIONS)
     engine = llm.engine
-    engine.add_request(prompts_growing_by(23, 12, VOCAB)[-1], greedy(200))
+    engine.add_request(prompts_growing_by(23, 12, SMALL_VOCAB)[-1], greedy(200))
     held = []
     while engine.has_unfinished_requests():
         engine.step(finished_only=True)
@@ -116,7 +104,7 @@ def test_local_groups_hold_a_window_while_decoding_under_graphs(gemma3: Path) ->
 
 def test_greedy_follows_transformers_in_bf16(checkpoint: tuple[str, Path]) -> None:
     _, path = checkpoint
-    ids = prompts_growing_by(23, 6, VOCAB)
+    ids = prompts_growing_by(23, 6, SMALL_VOCAB)
     llm = LLM(path, max_model_len=512, max_num_seqs=8)
     ours = extkv_tokens(llm, ids, greedy(12))
     llm.close()

@@ -7,16 +7,16 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from extkv import LLM
-from extkv.demo import make_random_checkpoint
 from helpers import (
     HF_GROUPS,
+    SMALL_VOCAB,
     assert_follows_transformers_in_bf16,
     extkv_tokens,
     greedy,
     prompts_growing_by,
+    small_bf16_checkpoint,
 )
 
 pytestmark = pytest.mark.gpu
@@ -29,35 +29,21 @@ SHAPES = {
         mamba_n_heads=16,
         mamba_d_head=32,
         mamba_n_groups=HF_GROUPS,
-        initializer_range=0.1,
     ),
-    "mamba2": dict(
-        num_hidden_layers=4, num_heads=16, head_dim=32, n_groups=HF_GROUPS, initializer_range=0.1
-    ),
+    "mamba2": dict(num_hidden_layers=4, num_heads=16, head_dim=32, n_groups=HF_GROUPS),
 }
-VOCAB = 2048
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     family = request.param
-    folder = tmp_path_factory.mktemp(family)
-    return make_random_checkpoint(
-        folder,
-        family,
-        with_tokenizer=False,
-        dtype=torch.bfloat16,
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        **SHAPES[family],
-    )
+    return small_bf16_checkpoint(tmp_path_factory.mktemp(family), family, **SHAPES[family])
 
 
 def test_extensible_equals_legacy_with_cuda_graphs(
     checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ids = prompts_growing_by(9, 12, VOCAB)
+    ids = prompts_growing_by(9, 12, SMALL_VOCAB)
     options = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
     legacy = LLM(checkpoint, **options)
     assert legacy.engine.runner.graphs is not None and legacy.engine.runner.graphs.graphs
@@ -76,7 +62,7 @@ def test_extensible_equals_legacy_with_cuda_graphs(
 
 
 def test_greedy_follows_transformers_in_bf16(checkpoint: Path) -> None:
-    ids = prompts_growing_by(9, 6, VOCAB)
+    ids = prompts_growing_by(9, 6, SMALL_VOCAB)
     llm = LLM(checkpoint, max_model_len=512, max_num_seqs=8)
     ours = extkv_tokens(llm, ids, greedy(12))
     llm.close()
