@@ -194,6 +194,41 @@ def commit_limit(room_bytes: int) -> Iterator[None]:
         backend.commit_limit_bytes = None
 
 
+# The elastic-memory workload test_elastic runs on one rank, test_elastic_tensor_parallel on two.
+ELASTIC_OPTIONS = dict(
+    max_model_len=128,  # 8 blocks of 16 tokens: the least a resize may leave
+    max_num_batched_tokens=256,
+    max_num_seqs=8,
+    enable_extensible_kv_cache=True,
+)
+MIN_BLOCKS = 8
+_PREFIX = list(range(40, 72))  # two full blocks two prompts share (prefix caching)
+ELASTIC_PROMPTS = [
+    [*_PREFIX, 5, 6, 7],
+    [*_PREFIX, *range(100, 120)],
+    [17] * 3,
+    list(range(200, 241)),
+]
+ELASTIC_PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def resize_while_decoding(llm: LLM, expected: list[list[int]]) -> list[dict[str, object]]:
+    """The pool resized to MIN_BLOCKS then 64 blocks (8-63 are handed out in that order), then
+    ELASTIC_PROMPTS decoded to their `expected` tokens through a shrink, a grow and a deeper
+    shrink: a hog holds low blocks while the prompts take higher ones, so once it is gone the
+    first shrink moves their blocks down; the last one preempts some. The resize reports."""
+    llm.resize_kv_cache(num_blocks=MIN_BLOCKS)
+    llm.resize_kv_cache(num_blocks=64)
+    schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
+    hog = list(range(300, 360))
+    tokens, reports = decode_through(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS, schedule, hog=hog)
+    assert tokens == expected
+    assert [r["num_blocks"] for r in reports] == [12, 48, 10]
+    assert reports[0]["num_moved_blocks"] > 0 and reports[2]["num_preempted"] > 0
+    assert_nothing_leaked(llm)
+    return reports
+
+
 def decode_through(
     llm: LLM,
     prompts: list[list[int]],
