@@ -157,6 +157,29 @@ def interpreter_rounds_bf16_to_nearest() -> None:
     interpreter._convert_float = patched
 
 
+def interpreter_dots_bf16_as_numbers() -> None:
+    """Make the interpreter's tl.dot multiply bf16 operands by value.
+
+    It keeps bf16 tensors as their raw 16 bits (uint16) and hands those to
+    np.matmul as integers; here they are widened to the fp32 they stand for.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(operand: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if operand.dtype != tl.bfloat16:
+            return operand
+        bits = operand.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched(self: object, a: object, b: object, d: object, *args: object) -> object:
+        return dot(self, widened(a), widened(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = patched
+
+
 def children() -> dict[int, bytes]:
     """This process's children (zombies included) and their command lines."""
     found = {}
