@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers.models.mamba2 import modeling_mamba2
 
 from extkv import LLM
 from extkv.attention import ForwardContext, set_forward_context
+from extkv.demo import make_random_checkpoint
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache import FullAttentionSpec, KVCacheGroup, MambaSpec, SlidingWindowSpec
@@ -74,6 +76,23 @@ def make_mamba_checkpoint(
                 param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
     model.save_pretrained(path)
     return model
+
+
+def deepseek_checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
+    """A tiny random DeepSeek V2/V3 checkpoint of 3 layers (demo size, no tokenizer); V3's
+    expert score correction (zeros from transformers' init) drawn at random, so that it
+    counts."""
+    make_random_checkpoint(
+        path, architecture, num_hidden_layers=3, with_tokenizer=False, **overrides
+    )
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(std=0.3, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
 
 
 # Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
