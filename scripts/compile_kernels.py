@@ -143,10 +143,10 @@ GEMV_OPTIONS = dict(num_warps=4, num_stages=6)  # gemv_config's
 
 
 def moe_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
-    """The fused MoE's grouped GEMM (gate_up with SiLU*mul, down) at decode's and prefill's
-    tiles (bf16, and fp32 as the GPU tests run it), and its weighted sum (DeepSeek's fp32
-    routing weights and shared experts, Qwen3-MoE's bf16 ones), with and without PDL:
-    (kernel, (name, types, constexprs), launch options)."""
+    """The fused MoE's one-program sort by expert, its grouped GEMM (gate_up with SiLU*mul,
+    down) at decode's and prefill's tiles (bf16, and fp32 as the GPU tests run it), and its
+    weighted sum (DeepSeek's fp32 routing weights and shared experts, Qwen3-MoE's bf16
+    ones), with and without PDL: (kernel, (name, types, constexprs), launch options)."""
     jobs = []
     for dtype, pairs, gated, pdl in itertools.product(
         ("bf16", "fp32"), (8, 1 << 16), (True, False), (False, True)
@@ -170,6 +170,12 @@ def moe_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dic
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         name = f"moe {'gate_up' if gated else 'down'} {dtype} {tiles} pdl={pdl:d}"
         jobs.append((fused_moe._expert_gemm_kernel, (name, gemm_types, constexprs), options))
+    sort_types = {"indices_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32"}
+    for block_m, experts, pdl in ((16, 128, True), (16, 256, True), (64, 64, False)):
+        chunk = min(256, max(16, fused_moe._SORT_CHUNK_CELLS // experts))
+        constexprs = dict(BLOCK_M=block_m, EXPERTS_P2=experts, CHUNK=chunk, USE_PDL=pdl)
+        name = f"moe sort block_m={block_m} experts={experts} pdl={pdl:d}"
+        jobs.append((fused_moe._sort_kernel, (name, sort_types, constexprs), {"num_warps": 8}))
     for weights, top_k, shared, pdl in (
         ("fp32", 6, True, False),
         ("fp32", 6, True, True),

@@ -24,9 +24,10 @@ from extkv.kernels.fused_moe import (
     DECODE_TILES,
     PREFILL_TILES,
     ExpertTiles,
+    _sort_in_one_program,
+    _sort_in_torch,
     expert_tiles,
     fused_experts,
-    sort_by_expert,
 )
 from extkv.models import ops, reference
 from helpers import interpreter_dots_bf16_as_numbers, interpreter_rounds_bf16_to_nearest
@@ -78,12 +79,14 @@ def moe_inputs(
     return {**tensors, "weights": weights.to(device), "indices": indices.to(device)}
 
 
-def check_sort(tokens: int, top_k: int, experts: int, kind: str, block_m: int) -> None:
+def check_sort(
+    tokens: int, top_k: int, experts: int, kind: str, block_m: int, sort: Callable = _sort_in_torch
+) -> None:
     """Every pair once, each block one expert's, each expert's pairs ascending and padded
     with T * top_k, unused blocks -1, the length within the bound."""
     indices = routing(tokens, top_k, experts, kind, seed=tokens)
     num_pairs = tokens * top_k
-    sorted_pairs, block_experts = sort_by_expert(indices, experts, block_m)
+    sorted_pairs, block_experts = sort(indices, experts, block_m)
     bound = num_pairs + min(experts, num_pairs) * (block_m - 1)
     assert sorted_pairs.numel() == block_experts.numel() * block_m
     assert bound <= sorted_pairs.numel() < bound + block_m
@@ -111,10 +114,22 @@ def check_sort(tokens: int, top_k: int, experts: int, kind: str, block_m: int) -
     assert used.sum() == ((counts + block_m - 1) // block_m).sum()
 
 
+def check_one_program_sort(tokens: int, top_k: int, experts: int, kind: str) -> None:
+    """The one-program sort's layout, and the torch sort's to the element."""
+    for block_m in (16, 64):
+        check_sort(tokens, top_k, experts, kind, block_m, _sort_in_one_program)
+        indices = routing(tokens, top_k, experts, kind, seed=tokens)
+        ours, want = (s(indices, experts, block_m) for s in (_sort_in_one_program, _sort_in_torch))
+        assert all(map(torch.equal, ours, want))
+
+
+SORT_CASES = [(1, 1), (1, 8), (5, 2), (33, 3), (64, 8)]
+
+
 @pytest.mark.parametrize("kind", ROUTINGS)
-@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (1, 8), (5, 2), (33, 3), (64, 8)])
+@pytest.mark.parametrize(("tokens", "top_k"), SORT_CASES)
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_sort_by_expert(tokens: int, top_k: int, kind: str, block_m: int) -> None:
+def test_sort_by_expert_in_torch(tokens: int, top_k: int, kind: str, block_m: int) -> None:
     check_sort(tokens, top_k, 16, kind, block_m)
 
 
@@ -201,6 +216,14 @@ SMALL_TILES = (ExpertTiles(16, 32, 16), ExpertTiles(32, 16, 32))
 
 def interpreter_checks() -> list[Callable[[], None]]:
     return [
+        *(
+            partial(check_one_program_sort, tokens, top_k, experts, kind)
+            for tokens, top_k in SORT_CASES
+            for experts in (16, 6, 128)  # a power of 2, not one, Qwen3-30B's
+            for kind in ROUTINGS
+            if top_k <= experts
+        ),
+        partial(check_one_program_sort, 256, 8, 128, "random"),  # a decode batch of 256
         *(
             partial(check_fused, tokens, top_k, dtype, kind, "cpu", tiles)
             for tokens, top_k in ((1, 1), (1, 3), (7, 2), (20, 3))

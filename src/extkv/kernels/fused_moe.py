@@ -29,6 +29,7 @@ from extkv.kernels.activation import silu_times
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 _SUM_BLOCK = 1024  # columns per program of the weighted sum
+_SORT_CHUNK_CELLS = 8192  # pairs x experts of the sort's one-hot tile per step
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,19 @@ def expert_tiles(num_pairs: int, num_experts: int, itemsize: int) -> ExpertTiles
     return replace(tiles, block_k=tiles.block_k * 2 // max(itemsize, 2))
 
 
+# Up to this many token-expert pairs (every decode batch up to 256 sequences at top-8) one
+# program sorts them, in one launch; a sort in torch ops takes about 25 small kernels, whose
+# launches would cost a decode step's graph more than its expert GEMMs. Past it (prefill,
+# eager) the torch ops sort in parallel where one program would loop for milliseconds.
+ONE_PROGRAM_MAX_PAIRS = 2048
+
+
+def num_sorted_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of `block_m` rows that hold any routing of `num_pairs` pairs: they fall to
+    at most min(E, pairs) experts, each run padded by at most block_m - 1 rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
 def sort_by_expert(
     indices: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +79,18 @@ def sort_by_expert(
 
     sorted_pairs (num_blocks * block_m,) int32: each expert's pairs in ascending order,
     its run padded with T * top_k (no pair) to a multiple of block_m, the runs in expert
-    order; block_experts (num_blocks,) int32: each block's expert, -1 past the used ones.
-    num_blocks bounds any routing: T * top_k pairs over at most min(E, T * top_k) experts,
-    each run padded by at most block_m - 1. Device ops only, no host sync."""
+    order; block_experts (num_blocks,) int32: each block's expert, -1 past the used ones;
+    num_blocks is `num_sorted_blocks`. On the device, with no host sync: one program up to
+    ONE_PROGRAM_MAX_PAIRS pairs, torch ops past it (the same result)."""
+    if indices.numel() <= ONE_PROGRAM_MAX_PAIRS:
+        return _sort_in_one_program(indices, num_experts, block_m)
+    return _sort_in_torch(indices, num_experts, block_m)
+
+
+def _sort_in_torch(
+    indices: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_by_expert` as a stable sort and prefix sums."""
     flat = indices.flatten()
     num_pairs = flat.numel()
     device = flat.device
@@ -79,13 +102,87 @@ def sort_by_expert(
     first = counts.cumsum(0) - counts  # each expert's first position in `order`
     rank = torch.arange(num_pairs, device=device) - first[expert_of]
     dest = (padded_ends - padded)[expert_of] + rank
-    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    num_blocks = num_sorted_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
     block_starts = torch.arange(num_blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return sorted_pairs, block_experts.to(torch.int32)
+
+
+@triton.jit
+def _sort_kernel(
+    indices_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program: a counting sort of the pairs by expert, CHUNK pairs at a time, each
+    pair's expert as a one-hot row over EXPERTS_P2 columns (its rank among its expert's
+    pairs is a prefix sum down its column)."""
+    wait_for_previous_grid(USE_PDL)
+    experts = tl.arange(0, EXPERTS_P2)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        expert = tl.load(indices_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    length = num_blocks * BLOCK_M
+    for start in range(0, length, CHUNK):
+        rows = start + lanes
+        tl.store(sorted_pairs_ptr + rows, tl.zeros((CHUNK,), tl.int32) + num_pairs, rows < length)
+    tl.debug_barrier()  # the padding is written before any pair overwrites its place
+    next_row = ends - padded  # each expert's next free row
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        live = pairs < num_pairs
+        expert = tl.load(indices_ptr + pairs, mask=live, other=-1).to(tl.int32)
+        one_hot = (expert[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(one_hot, axis=0) - one_hot  # this chunk's pairs before, same expert
+        row = tl.sum(one_hot * (next_row[None, :] + earlier), axis=1)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=live)
+        next_row += tl.sum(one_hot, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        # A block's expert: how many experts' padded runs end at or before its first row.
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+def _sort_in_one_program(
+    indices: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_by_expert` in `_sort_kernel`."""
+    num_pairs = indices.numel()
+    num_blocks = num_sorted_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=indices.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=indices.device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    _sort_kernel[(1,)](
+        indices,
+        sorted_pairs,
+        block_experts,
+        num_pairs,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        EXPERTS_P2=experts_p2,
+        CHUNK=min(256, max(16, _SORT_CHUNK_CELLS // experts_p2)),
+        num_warps=8,
+        **pdl_launch(indices.device),
+    )
+    return sorted_pairs, block_experts
 
 
 @triton.jit
@@ -213,8 +310,8 @@ def _check_operands(
             f"indices and weights must both be (T={tokens}, top_k), got "
             f"{tuple(indices.shape)} and {tuple(weights.shape)}"
         )
-    if weights.stride(1) != 1:
-        raise ValueError("weights need contiguous rows (stride(1) == 1)")
+    if not indices.is_contiguous() or weights.stride(1) != 1:
+        raise ValueError("indices must be contiguous and weights need contiguous rows")
     if shared is not None and (shared.shape != x.shape or shared.stride(1) != 1):
         raise ValueError(f"shared must be x's shape {tuple(x.shape)}, got {tuple(shared.shape)}")
 
