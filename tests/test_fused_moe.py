@@ -68,25 +68,34 @@ def moe_inputs(
 ) -> dict[str, torch.Tensor]:
     """x as rows of a wider tensor (a row stride other than H), outputs of about unit size,
     routing weights as a softmax router's (fp32)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden + 3, generator=gen)[:, :hidden]
-    gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen) * hidden**-0.5
-    down = torch.randn(experts, hidden, inner, generator=gen) * inner**-0.5
-    weights = torch.rand(tokens, top_k, generator=gen).softmax(-1)
-    indices = routing(tokens, top_k, experts, kind, seed)
-    tensors = dict(x=x, gate_up=gate_up, down=down)
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-    return {**tensors, "weights": weights.to(device), "indices": indices.to(device)}
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+    return dict(
+        x=randn(tokens, hidden + 3)[:, :hidden],
+        gate_up=randn(experts, 2 * inner, hidden, scale=hidden**-0.5),
+        down=randn(experts, hidden, inner, scale=inner**-0.5),
+        weights=torch.rand(tokens, top_k, generator=gen, device=device).softmax(-1),
+        indices=routing(tokens, top_k, experts, kind, seed).to(device),
+    )
 
 
 def check_sort(
-    tokens: int, top_k: int, experts: int, kind: str, block_m: int, sort: Callable = _sort_in_torch
+    tokens: int,
+    top_k: int,
+    experts: int,
+    kind: str,
+    block_m: int,
+    sort: Callable = _sort_in_torch,
+    device: str = "cpu",
 ) -> None:
     """Every pair once, each block one expert's, each expert's pairs ascending and padded
     with T * top_k, unused blocks -1, the length within the bound."""
     indices = routing(tokens, top_k, experts, kind, seed=tokens)
     num_pairs = tokens * top_k
-    sorted_pairs, block_experts = sort(indices, experts, block_m)
+    sorted_pairs, block_experts = (t.cpu() for t in sort(indices.to(device), experts, block_m))
     bound = num_pairs + min(experts, num_pairs) * (block_m - 1)
     assert sorted_pairs.numel() == block_experts.numel() * block_m
     assert bound <= sorted_pairs.numel() < bound + block_m
@@ -114,11 +123,13 @@ def check_sort(
     assert used.sum() == ((counts + block_m - 1) // block_m).sum()
 
 
-def check_one_program_sort(tokens: int, top_k: int, experts: int, kind: str) -> None:
+def check_one_program_sort(
+    tokens: int, top_k: int, experts: int, kind: str, device: str = "cpu"
+) -> None:
     """The one-program sort's layout, and the torch sort's to the element."""
     for block_m in (16, 64):
-        check_sort(tokens, top_k, experts, kind, block_m, _sort_in_one_program)
-        indices = routing(tokens, top_k, experts, kind, seed=tokens)
+        check_sort(tokens, top_k, experts, kind, block_m, _sort_in_one_program, device)
+        indices = routing(tokens, top_k, experts, kind, seed=tokens).to(device)
         ours, want = (s(indices, experts, block_m) for s in (_sort_in_one_program, _sort_in_torch))
         assert all(map(torch.equal, ours, want))
 
@@ -262,6 +273,16 @@ def test_cuda_matches_the_reference(tokens: int, kind: str) -> None:
     """bf16 on Qwen3-30B-A3B's layer shape, decode's and prefill's tilings both."""
     check_fused(tokens, 8, torch.bfloat16, kind, "cuda", **QWEN3_MOE_LAYER)
     check_fused(tokens, 8, torch.float32, kind, "cuda", None, True, **QWEN3_MOE_LAYER)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 128), (64, 128), (256, 128), (33, 256)])
+def test_cuda_sorts(tokens: int, experts: int, kind: str) -> None:
+    """The one-program sort (decode batches up to 256 at top-8; DeepSeek-V3's 256 experts)
+    and the torch one on the device."""
+    check_one_program_sort(tokens, 8, experts, kind, "cuda")
+    check_sort(tokens * 16, 8, experts, kind, 64, device="cuda")  # prefill: the torch sort
 
 
 @pytest.mark.gpu

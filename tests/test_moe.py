@@ -143,6 +143,18 @@ def test_per_expert_tensors_fill_the_stacked_experts(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("moe_model", ["qwen3-moe"], indirect=True)
+def test_load_weights_fills_the_stacked_experts(moe_model: Path, tmp_path: Path) -> None:
+    """`LLM.load_weights` with another checkpoint's tensors (experts by checkpoint name)
+    gives that checkpoint's tokens."""
+    other = make_random_checkpoint(tmp_path, "qwen3_moe", with_tokenizer=False, seed=1, **QWEN3_MOE)
+    expected = extkv_tokens(LLM(other, **SMALL), PROMPTS, GREEDY)
+    llm = LLM(moe_model, **SMALL)
+    assert extkv_tokens(llm, PROMPTS, GREEDY) != expected
+    llm.load_weights(load_file(other / "model.safetensors").items())
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+
+
 def tiny_config(**overrides: object) -> transformers.Qwen3MoeConfig:
     fields = dict(
         vocab_size=64,
