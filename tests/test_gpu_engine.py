@@ -13,6 +13,7 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.engine.weight_memory import WeightMemory
 
 pytestmark = pytest.mark.gpu
 
@@ -135,3 +136,23 @@ def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path
         assert run(llm, prompts, GREEDY) == expected
     assert llm.engine.runner.graphs is graphs
     llm.close()
+
+
+def test_level_one_sleep_fills_the_host_copy_pinned_at_start_up() -> None:
+    """Sleep mode pins the weights' host copy when it moves them (pinning is ~20x slower
+    than the copy): every level-1 sleep fills that same page-locked buffer, wake gives
+    the weights back bit for bit, and `free` unregisters the buffer with the driver."""
+    model = torch.nn.Linear(1024, 4096, dtype=torch.bfloat16, device="cuda:0")
+    memory = WeightMemory(model, torch.device("cuda:0"))
+    host = memory._host_copy
+    assert host is not None and host.is_pinned() and host.numel() == memory.num_bytes
+    before = model.weight.detach().clone()
+    for _ in range(2):
+        memory.offload(keep_parameters=True)
+        assert memory.committed_bytes == 0 and memory._saved is host
+        assert memory.restore() is False
+        assert torch.equal(model.weight, before)
+    memory.free()
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) == 0  # was released
+    cudart.cudaHostUnregister(host.data_ptr())
