@@ -69,6 +69,12 @@ class RankMemory:
         tp, cache = self.tp, self.kv_cache
         return tp.all_gather_ints(cache.num_blocks), tp.all_gather_ints(cache.committed_bytes)
 
+    def free_physical_bytes(self) -> list[int]:
+        """Every rank's memory that could be committed now, in rank order (-1: nothing
+        bounds it, as with host memory without a limit)."""
+        free = self.kv_cache.free_physical_bytes()
+        return self.tp.all_gather_ints(-1 if free is None else free)
+
     def sleep_kv_cache(self) -> None:
         """Give the whole KV cache's memory back (the pool was emptied first)."""
         self.kv_cache.shrink(0)
