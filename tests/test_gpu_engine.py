@@ -156,3 +156,24 @@ def test_level_one_sleep_fills_the_host_copy_pinned_at_start_up() -> None:
     cudart = torch.cuda.cudart()
     assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) == 0  # was released
     cudart.cudaHostUnregister(host.data_ptr())
+
+
+def test_the_activation_peak_stays_in_torchs_cache_except_asleep(small_qwen3: Path) -> None:
+    """After start-up torch's allocator keeps the profiled activation peak cached (eager
+    steps take it from there, not from a driver another engine may have drained); sleep
+    gives it back to the driver with the rest, wake takes it again."""
+
+    def cached() -> int:
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    options = dict(max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
+    llm = LLM(small_qwen3, enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
+    peak = llm.memory_report()["activation_peak_bytes"]
+    awake = cached()  # also what the graphs' pool holds free between its own tensors
+    assert peak > 0 and awake >= peak
+    llm.sleep(level=1)
+    asleep = cached()
+    assert awake - asleep >= peak
+    llm.wake_up()
+    assert cached() - asleep >= peak
+    llm.close()

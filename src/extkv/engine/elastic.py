@@ -280,7 +280,8 @@ class ElasticMemory:
         if reloaded:  # fully awake and nobody loaded the parameters (or that failed before)
             self._on_every_rank("reload_weights")
             self._parameters_unloaded = False
-        if not self._asleep:
+        if not self._asleep and self.sleep_level:
+            self._on_every_rank("hold_activation_memory")
             self.sleep_level = 0
         if woken or reloaded:
             logger.info(

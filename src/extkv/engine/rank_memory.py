@@ -80,8 +80,14 @@ class RankMemory:
         self.kv_cache.shrink(0)
 
     def sleep_weights(self, level: int) -> None:
-        """Give the weights' memory back: kept in host memory (level 1) or dropped (2)."""
+        """Give the weights' memory back: kept in host memory (level 1) or dropped (2);
+        and the activation memory torch holds for the eager steps."""
         self.runner.weights.offload(keep_parameters=level == 1)
+        self.runner.release_activation_memory()
+
+    def hold_activation_memory(self) -> None:
+        """Awake again: take the activation memory back into torch's cache."""
+        self.runner.hold_activation_memory()
 
     def wake_weights(self) -> bool:
         """Map the weights back under their addresses; whether the parameters were dropped
