@@ -242,8 +242,16 @@ class ModelRunner:
         and freed at once), so that eager steps take their activations from it and not
         from the driver, where another process (an elastic engine beside this one) may
         have taken the memory since start-up gave it back."""
-        if self.device.type == "cuda" and self.activation_peak_bytes:
+        if self.device.type != "cuda" or not self.activation_peak_bytes:
+            return
+        try:
             torch.empty(self.activation_peak_bytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:  # taken meanwhile (a wake): the steps try again
+            logger.warning(
+                "Could not hold the %.3f GiB activation peak in torch's cache: the device is "
+                "full; the eager steps will allocate it as they run.",
+                self.activation_peak_bytes / (1 << 30),
+            )
 
     def release_activation_memory(self) -> None:
         """Give torch's cached memory back to the driver (sleep: memory for others)."""
