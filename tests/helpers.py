@@ -331,3 +331,13 @@ def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch
 def hf_logits(model: transformers.PreTrainedModel, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Each prompt run alone, then concatenated like the packed batch."""
     return torch.cat([model(t[None]).logits[0].float() for t in token_ids])
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so (the elastic policy's clock)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
