@@ -25,9 +25,30 @@ import torch
 import transformers
 
 from _common import Column, Rows, decode_throughput, engine_options, print_table, write_json
+from bench_kinds import DEEPSEEK_V2_LITE_SHAPE
 from extkv import LLM
 
-SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite")
+# Qwen3-30B-A3B's config but its depth (48 layers: 61 GB in bf16).
+QWEN3_30B_A3B_SHAPE = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+# name -> (demo architecture, shape); bench_kinds has DeepSeek-V2-Lite's.
+SHAPES: dict[str, tuple[str, dict[str, object]]] = {
+    "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B_SHAPE),
+    "deepseek-v2-lite": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
+}
 # (name, EXTKV_FUSED_MOE, enforce_eager)
 ENGINES = (("fused_graphs", "1", False), ("fused_eager", "1", True), ("reference", "0", True))
 COLUMNS: list[Column] = [
@@ -53,7 +74,7 @@ SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
 def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
     """The random checkpoint of `shape` with `layers` layers (built once, on the GPU); the
     tiny Qwen3-MoE for --smoke."""
-    from extkv.demo import DEEPSEEK_V2_LITE_SHAPE, QWEN3_30B_A3B_SHAPE, make_random_checkpoint
+    from extkv.demo import make_random_checkpoint
 
     if smoke:
         path = Path("/tmp/extkv-bench/tiny-qwen3_moe")
@@ -62,10 +83,7 @@ def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
         return path
     path = Path(f"/tmp/extkv-bench/{shape}-{layers}-layers")
     if not (path / "config.json").exists():
-        architecture, config = {
-            "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B_SHAPE),
-            "deepseek-v2-lite": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
-        }[shape]
+        architecture, config = SHAPES[shape]
         logging.getLogger(__name__).warning("building %s in %s", shape, path)
         make_random_checkpoint(
             path,
@@ -73,8 +91,7 @@ def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
             with_tokenizer=False,
             dtype=torch.bfloat16,
             device="cuda",
-            num_hidden_layers=layers,
-            **config,
+            **{**config, "num_hidden_layers": layers},
         )
     return path
 
@@ -113,7 +130,7 @@ def measure(args: argparse.Namespace) -> Rows:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=SHAPES, default=SHAPES[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 64 (smoke: 1 2)")
     parser.add_argument("--smoke", action="store_true", help="tiny Qwen3-MoE on the CPU")

@@ -114,58 +114,6 @@ QWEN3_0_6B_SHAPE = dict(
     max_position_embeddings=40960,
     initializer_range=0.02,
 )
-# Qwen3-30B-A3B's layer shape (128 experts, 8 per token), for GPU tests and benchmarks
-# with random weights: pass num_hidden_layers (the real model's 48 weigh 61 GB in bf16).
-QWEN3_30B_A3B_SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    initializer_range=0.02,
-)
-# DeepSeek-V2-Lite's shape (MLA; 64 routed experts, 6 per token, 2 shared; layer 0 dense),
-# for GPU benchmarks with random weights: pass num_hidden_layers (the real model's 27 weigh
-# 31 GB in bf16).
-DEEPSEEK_V2_LITE_SHAPE = dict(
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=64,
-    num_experts_per_tok=6,
-    n_shared_experts=2,
-    first_k_dense_replace=1,
-    topk_method="greedy",
-    routed_scaling_factor=1.0,
-    max_position_embeddings=163840,
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    tie_word_embeddings=False,
-    initializer_range=0.02,
-)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
