@@ -1,20 +1,21 @@
-"""A mixture-of-experts layer's routed experts on CUDA in three kernels, with no host sync.
+"""A mixture-of-experts layer's routed experts on CUDA in four kernels, with no host sync.
 
 The reference (extkv.models.reference.moe_experts) asks the host which experts were hit
-and runs them one by one: shapes the host decides, which no CUDA graph can capture. Here
-the token-expert pairs are sorted by expert on the device into a padded layout of blocks
-of BLOCK_M rows, each block one expert's; its length is bounded by what the routing could
-need at most, so every shape follows from the number of tokens alone (a decode step's
-graph captures it). Then:
+and runs them one by one: shapes the host decides, which no CUDA graph can capture. Here:
 
-1. a grouped GEMM over the blocks: each block's tokens times its expert's gate and up
+1. the token-expert pairs are sorted by expert on the device into a padded layout of
+   blocks of BLOCK_M rows, each block one expert's; its length is bounded by what any
+   routing could need, so every shape follows from the number of tokens alone (a decode
+   step's graph captures it);
+2. a grouped GEMM over the blocks: each block's tokens times its expert's gate and up
    rows, SiLU(gate) * up fused in its epilogue, one row per pair;
-2. a grouped GEMM of those rows with the experts' down projections;
-3. per token, the sum of its top_k rows scaled by their routing weights (plus the shared
+3. a grouped GEMM of those rows with the experts' down projections;
+4. per token, the sum of its top_k rows scaled by their routing weights (plus the shared
    experts' output, DeepSeek's), in fp32, rounded once.
 
-Blocks past the used ones (the bound is loose) exit at once. Every row's result depends
-on its own inputs only: a request's outputs do not depend on the batch it is in.
+Blocks past the used ones (the bound is loose) exit at once. Within one tiling (decode's
+covers batches up to 16 pairs an expert on average) every row's result depends on its own
+inputs only: a request's outputs do not depend on the batch it is in.
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ def fused_experts(
     shared: torch.Tensor | None = None,
     tiles: ExpertTiles | None = None,
 ) -> torch.Tensor:
-    """`reference.moe_experts` in three kernels: x (T, H), gate_up (E, 2I, H), down
+    """`reference.moe_experts` in four kernels: x (T, H), gate_up (E, 2I, H), down
     (E, H, I), weights and indices (T, top_k), shared (T, H) or None -> (T, H) in x's
     dtype. Allocates only by the number of tokens, so a CUDA graph captures it. `tiles`
     overrides the tiling (the tests force several)."""
