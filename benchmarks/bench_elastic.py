@@ -95,8 +95,8 @@ def _checksum(params: nn.ParameterList) -> float:
 # --- mechanism: the same tensors, extkv and torch_memory_saver ------------------------
 
 
-# (level, cycle): the first level-1 sleep pins its host buffer (torch's caching host
-# allocator keeps it for the next), so the first and a later one are both shown.
+# (level, cycle): on CUDA the host buffer of level 1 is pinned when WeightMemory is
+# built (not timed here), so the first sleep should cost what a later one does.
 CYCLES = ((1, 1), (1, 2), (2, 1))
 
 

@@ -8,8 +8,8 @@ Front-end and back-end errors (a Triton version's typing rules, PTX assembly) sh
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
 prefetch), of the paged attention (decode splits, prefill, PDL, MLA's latent rows; each
-checked against sm90's shared memory) and its merge, and the RMSNorm and
-SiLU*mul kernels whose math the GEMV's inputs share.
+checked against sm90's shared memory) and its merge, the RMSNorm and
+SiLU*mul kernels whose math the GEMV's inputs share, and the fused MoE's kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from extkv.kernels import activation, gemv, norm, paged_attention
+from extkv.kernels import activation, fused_moe, gemv, norm, paged_attention
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -142,6 +142,53 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
 GEMV_OPTIONS = dict(num_warps=4, num_stages=6)  # gemv_config's
 
 
+def moe_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
+    """The fused MoE's one-program sort by expert, its grouped GEMM (gate_up with SiLU*mul,
+    down) at decode's and prefill's tiles (bf16, and fp32 as the GPU tests run it), and its
+    weighted sum (DeepSeek's fp32 routing weights and shared experts, Qwen3-MoE's bf16
+    ones), with and without PDL: (kernel, (name, types, constexprs), launch options)."""
+    jobs = []
+    for dtype, pairs, gated, pdl in itertools.product(
+        ("bf16", "fp32"), (8, 1 << 16), (True, False), (False, True)
+    ):
+        if dtype == "fp32" and pdl:
+            continue
+        tiles = fused_moe.expert_tiles(pairs, 128, 2 if dtype == "bf16" else 4)
+        gemm_types = {
+            **dict.fromkeys(("a_ptr", "w_ptr", "out_ptr"), f"*{dtype}"),
+            **dict.fromkeys(("sorted_pairs_ptr", "block_experts_ptr"), "*i32"),
+        }
+        constexprs = dict(
+            GATED=gated,
+            GATHER=gated,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
+            DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
+            USE_PDL=pdl,
+        )
+        options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        name = f"moe {'gate_up' if gated else 'down'} {dtype} {tiles} pdl={pdl:d}"
+        jobs.append((fused_moe._expert_gemm_kernel, (name, gemm_types, constexprs), options))
+    sort_types = {"indices_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32"}
+    for block_m, experts, pdl in ((16, 128, True), (16, 256, True), (64, 64, False)):
+        chunk = min(256, max(16, fused_moe._SORT_CHUNK_CELLS // experts))
+        constexprs = dict(BLOCK_M=block_m, EXPERTS_P2=experts, CHUNK=chunk, USE_PDL=pdl)
+        name = f"moe sort block_m={block_m} experts={experts} pdl={pdl:d}"
+        jobs.append((fused_moe._sort_kernel, (name, sort_types, constexprs), {"num_warps": 8}))
+    for weights, top_k, shared, pdl in (
+        ("fp32", 6, True, False),
+        ("fp32", 6, True, True),
+        ("bf16", 8, False, True),
+    ):
+        types = dict.fromkeys(("rows_ptr", "shared_ptr", "out_ptr"), "*bf16")
+        types["weights_ptr"] = f"*{weights}"
+        constexprs = dict(TOP_K=top_k, HAS_SHARED=shared, BLOCK=1024, USE_PDL=pdl)
+        name = f"moe weighted sum weights={weights} top_k={top_k} shared={shared:d} pdl={pdl:d}"
+        jobs.append((fused_moe._weighted_sum_kernel, (name, types, constexprs), {}))
+    return jobs
+
+
 def main() -> int:
     print(f"Triton {triton.__version__}, target sm90")
     jobs = [(gemv._gemv_kernel, v, GEMV_OPTIONS) for v in gemv_variants()]
@@ -167,6 +214,7 @@ def main() -> int:
         jobs.append(
             (activation._silu_and_mul_kernel, (f"silu_and_mul pdl={pdl:d}", types, constexprs), {})
         )
+    jobs += moe_variants()
     failed = 0
     for fn, (name, types, constexprs), options in jobs:
         try:

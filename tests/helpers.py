@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers.models.mamba2 import modeling_mamba2
 
 from extkv import LLM
@@ -75,6 +76,23 @@ def make_mamba_checkpoint(
                 param.sub_(2.0)  # softplus(-2) ~ 0.13: a state remembers tens of tokens
     model.save_pretrained(path)
     return model
+
+
+def deepseek_checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
+    """A tiny random DeepSeek V2/V3 checkpoint of 3 layers (demo size, no tokenizer); V3's
+    expert score correction (zeros from transformers' init) drawn at random, so that it
+    counts."""
+    make_random_checkpoint(
+        path, architecture, num_hidden_layers=3, with_tokenizer=False, **overrides
+    )
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(std=0.3, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
 
 
 # Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
@@ -156,6 +174,29 @@ def interpreter_rounds_bf16_to_nearest() -> None:
         return convert(data, src, dst, rounding)
 
     interpreter._convert_float = patched
+
+
+def interpreter_dots_bf16_as_numbers() -> None:
+    """Make the interpreter's tl.dot multiply bf16 operands by value.
+
+    It keeps bf16 tensors as their raw 16 bits (uint16) and hands those to
+    np.matmul as integers; here they are widened to the fp32 they stand for.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(operand: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if operand.dtype != tl.bfloat16:
+            return operand
+        bits = operand.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched(self: object, a: object, b: object, d: object, *args: object) -> object:
+        return dot(self, widened(a), widened(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = patched
 
 
 def children() -> dict[int, bytes]:
@@ -361,3 +402,13 @@ def extkv_logits(model: torch.nn.Module, token_ids: list[torch.Tensor]) -> torch
 def hf_logits(model: transformers.PreTrainedModel, token_ids: list[torch.Tensor]) -> torch.Tensor:
     """Each prompt run alone, then concatenated like the packed batch."""
     return torch.cat([model(t[None]).logits[0].float() for t in token_ids])
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so (the elastic policy's clock)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -1,8 +1,8 @@
 """Elastic memory under tensor parallelism on the CPU (two ranks over gloo, host backend): the
 KV cache resized down and up while requests decode, sleep and wake at both levels, a grow one
-rank cannot make, and new weights loaded after a level-2 sleep, all leave greedy tokens equal
-to one rank's and to two unresized ranks', every rank at the same block count and memory, and
-no process behind."""
+rank cannot make, the elastic policy, and new weights loaded after a level-2 sleep, all leave
+greedy tokens equal to one rank's and to two unresized ranks', every rank at the same block
+count and memory, and no process behind."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from helpers import (
     ELASTIC_PARAMS,
     ELASTIC_PROMPTS,
     MIN_BLOCKS,
+    FakeClock,
     assert_nothing_leaked,
     children,
     commit_limit,
@@ -185,6 +186,67 @@ def test_load_weights_after_a_level_2_sleep_on_two_ranks(
         assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected_second
         llm.load_weights(load_file(first / "model.safetensors").items())  # awake
         assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
+    finally:
+        llm.close()
+    assert not started_children(older)
+
+
+# Wide blocks (16 tokens x K and V x 4 heads a rank x 128 x fp32 = 64 KiB a layer on each
+# rank), one segment a layer: 32 blocks to a 2 MiB granule, so the floor (8 blocks' granules)
+# is 32 blocks and a burst of 8 sequences of 6 blocks needs more.
+WIDE = dict(with_tokenizer=False, num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+BURST = [list(range(3 * i, 3 * i + 60)) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(tmp_path_factory.mktemp("wide"), "qwen3", **WIDE)
+
+
+def test_the_elastic_policy_grows_and_gives_back_on_every_rank(
+    wide: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two ranks start at the floor; while rank 0 can commit nothing more the policy
+    serves at that size and says so once; then a shortage grows every rank, and idle
+    time gives every rank's memory back, greedy tokens always one rank's."""
+    idle_s = 30.0
+    options = {**OPTIONS, "kv_layout": "block_major"}
+    llm = LLM(wide, **options)
+    expected = extkv_tokens(llm, BURST, ELASTIC_PARAMS)
+    llm.close()
+    older = set(children())
+    llm = LLM(
+        wide,
+        tensor_parallel_size=2,
+        kv_cache_policy="elastic",
+        kv_idle_release_s=idle_s,
+        **options,
+    )
+    try:
+        clock = FakeClock()
+        llm.engine.kv_policy.clock = clock
+        status = llm.kv_cache_status()
+        floor = status["num_blocks_floor"]
+        assert status["num_blocks"] == floor < len(BURST) * 6 < status["num_blocks_ceiling"]
+        at_floor = committed_per_rank(llm)
+        with commit_limit(0), caplog.at_level(logging.WARNING, logger="extkv"):
+            assert extkv_tokens(llm, BURST, ELASTIC_PARAMS) == expected  # some waited
+            status = llm.kv_cache_status()
+            assert status["grow_held_back"] and status["num_blocks"] == floor
+        assert committed_per_rank(llm) == at_floor
+        refused = [r for r in caplog.records if "no memory to grow" in r.getMessage()]
+        assert len(refused) == 1
+        preempted = llm.engine.scheduler.num_preemptions
+        assert extkv_tokens(llm, BURST, ELASTIC_PARAMS) == expected
+        status = llm.kv_cache_status()
+        assert status["num_blocks"] >= len(BURST) * 6 and not status["grow_held_back"]
+        assert llm.engine.scheduler.num_preemptions == preempted  # grown, not preempted
+        assert all(g > f for g, f in zip(committed_per_rank(llm), at_floor, strict=True))
+        clock.now += idle_s
+        assert llm.engine.release_idle_kv_cache() is None  # back at the floor
+        assert llm.kv_cache_status()["num_blocks"] == floor
+        assert committed_per_rank(llm) == at_floor
+        assert_nothing_leaked(llm)
     finally:
         llm.close()
     assert not started_children(older)

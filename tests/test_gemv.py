@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ from extkv.kernels.gemv import (
 from extkv.kernels.norm import rms_norm
 from extkv.kernels.pdl import pdl_launch
 from extkv.models import ops
-from helpers import interpreter_rounds_bf16_to_nearest
+from helpers import interpreter_dots_bf16_as_numbers, interpreter_rounds_bf16_to_nearest
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Against the fp32 sum: the output's one rounding (half an ulp) plus the sum's order.
@@ -262,29 +261,6 @@ def test_interpreted() -> None:
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def interpreter_dots_bf16_as_numbers() -> None:
-    """Make the interpreter's tl.dot multiply bf16 operands by value.
-
-    It keeps bf16 tensors as their raw 16 bits (uint16) and hands those to
-    np.matmul as integers; here they are widened to the fp32 they stand for.
-    """
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def widened(operand: interpreter.TensorHandle) -> interpreter.TensorHandle:
-        if operand.dtype != tl.bfloat16:
-            return operand
-        bits = operand.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def patched(self: object, a: object, b: object, d: object, *args: object) -> object:
-        return dot(self, widened(a), widened(b), d, *args)
-
-    interpreter.InterpreterBuilder.create_dot = patched
 
 
 # ---------------------------------------------------------------- GPU

@@ -12,6 +12,7 @@ import torch
 
 from extkv import LLM
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.engine.weight_memory import WeightMemory
 from helpers import assert_follows_transformers_in_bf16, extkv_tokens, greedy
 
 pytestmark = pytest.mark.gpu
@@ -113,4 +114,45 @@ def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path
         llm.wake_up()
         assert extkv_tokens(llm, prompts, GREEDY) == expected
     assert llm.engine.runner.graphs is graphs
+    llm.close()
+
+
+def test_level_one_sleep_fills_the_host_copy_pinned_at_start_up() -> None:
+    """Sleep mode pins the weights' host copy when it moves them (pinning is ~20x slower
+    than the copy): every level-1 sleep fills that same page-locked buffer, wake gives
+    the weights back bit for bit, and `free` unregisters the buffer with the driver."""
+    model = torch.nn.Linear(1024, 4096, dtype=torch.bfloat16, device="cuda:0")
+    memory = WeightMemory(model, torch.device("cuda:0"))
+    host = memory._host_copy
+    assert host is not None and host.is_pinned() and host.numel() == memory.num_bytes
+    before = model.weight.detach().clone()
+    for _ in range(2):
+        memory.offload(keep_parameters=True)
+        assert memory.committed_bytes == 0 and memory._saved is host
+        assert memory.restore() is False
+        assert torch.equal(model.weight, before)
+    memory.free()
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) == 0  # was released
+    cudart.cudaHostUnregister(host.data_ptr())
+
+
+def test_the_activation_peak_stays_in_torchs_cache_except_asleep(small_qwen3: Path) -> None:
+    """After start-up torch's allocator keeps the profiled activation peak cached (eager
+    steps take it from there, not from a driver another engine may have drained); sleep
+    gives it back to the driver with the rest, wake takes it again."""
+
+    def cached() -> int:
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    options = dict(max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
+    llm = LLM(small_qwen3, enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
+    peak = llm.memory_report()["activation_peak_bytes"]
+    awake = cached()  # also what the graphs' pool holds free between its own tensors
+    assert peak > 0 and awake >= peak
+    llm.sleep(level=1)
+    asleep = cached()
+    assert awake - asleep >= peak
+    llm.wake_up()
+    assert cached() - asleep >= peak
     llm.close()

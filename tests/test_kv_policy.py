@@ -13,7 +13,7 @@ import pytest
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
-from helpers import assert_nothing_leaked, commit_limit, extkv_tokens
+from helpers import FakeClock, assert_nothing_leaked, commit_limit, extkv_tokens
 
 OPTIONS = dict(
     cpu_memory_budget_bytes=96 << 20,
@@ -30,16 +30,6 @@ FLOOR = 32
 BURST = [list(range(3 * i, 3 * i + 60)) for i in range(8)]
 FEW = 6
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-class FakeClock:
-    """Seconds that pass only when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +194,6 @@ def test_the_static_policy_is_the_default_and_shows_as_such(qwen3: Path) -> None
         (
             {"kv_cache_policy": "elastic", "enable_extensible_kv_cache": False},
             r"kv_cache_policy='elastic' needs enable_extensible_kv_cache=True \(or 'auto'\)",
-        ),
-        (
-            {"kv_cache_policy": "elastic", "tensor_parallel_size": 2},
-            "kv_cache_policy='elastic' needs tensor_parallel_size=1",
         ),
     ],
 )

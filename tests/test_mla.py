@@ -13,10 +13,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from extkv import LLM, SamplingParams
-from extkv.demo import make_random_checkpoint
 from extkv.models import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, check_tensor_parallel
 from extkv.models.loader import load_model
-from helpers import extkv_logits, extkv_tokens, hf_greedy, hf_logits
+from helpers import deepseek_checkpoint, extkv_logits, extkv_tokens, hf_greedy, hf_logits
 
 # V2-Lite's rope: YaRN with both mscales set and unequal, so the cos/sin factor and the
 # softmax scale's correction both differ from 1.
@@ -31,7 +30,7 @@ YARN = {
     "beta_slow": 1,
 }
 LATENT, ROPE = 32, 16  # demo._MLA_TINY's kv_lora_rank, qk_rope_head_dim
-LAYERS = 3
+LAYERS = 3  # deepseek_checkpoint's
 # Block size 16: two prompts span several blocks; a step of at most 32 tokens cuts the
 # 45-token prompt into chunks, the later ones attending to a cached prefix.
 SMALL = dict(
@@ -58,29 +57,12 @@ MOE = dict(
 )
 
 
-def checkpoint(path: Path, architecture: str, **overrides: object) -> Path:
-    """A tiny random checkpoint; V3's expert score correction (zeros from transformers'
-    init) drawn at random, so that it counts."""
-    make_random_checkpoint(
-        path, architecture, num_hidden_layers=LAYERS, with_tokenizer=False, **overrides
-    )
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    generator = torch.Generator().manual_seed(0)
-    for name, tensor in tensors.items():
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(std=0.3, generator=generator)
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
-
-
-@pytest.fixture(scope="module", params=["v2", "v3", "v3-moe"])
+@pytest.fixture(scope="module", params=["v2", "v3"])
 def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope;
-    V3 with mixture-of-experts layers."""
-    version, _, moe = request.param.partition("-")
+    """V2: q_lora_rank None, YaRN (as V2-Lite); V3: q_lora_rank set, YaRN, interleaved rope.
+    (Their mixture-of-experts layers: test_moe.)"""
     path = tmp_path_factory.mktemp(f"deepseek_{request.param}")
-    return checkpoint(path, f"deepseek_{version}", rope_parameters=YARN, **(MOE if moe else {}))
+    return deepseek_checkpoint(path, f"deepseek_{request.param}", rope_parameters=YARN)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +89,7 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def test_packed_prefill_logits_match_transformers(
     tmp_path: Path, architecture: str, overrides: dict
 ) -> None:
-    checkpoint(tmp_path, architecture, **overrides)
+    deepseek_checkpoint(tmp_path, architecture, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     token_ids = [torch.tensor(p) for p in PROMPTS]
@@ -118,7 +100,7 @@ def test_packed_prefill_logits_match_transformers(
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
     """V3 checkpoints carry layers past num_hidden_layers (MTP); other strays still fail."""
-    checkpoint(tmp_path, "deepseek_v3")
+    deepseek_checkpoint(tmp_path, "deepseek_v3")
     file = tmp_path / "model.safetensors"
     tensors = load_file(file)
     tensors[f"model.layers.{LAYERS}.eh_proj.weight"] = torch.zeros(4, 4)
@@ -218,7 +200,7 @@ def test_unsupported_expert_routing_is_refused() -> None:
 
 def test_experts_on_several_ranks_are_refused(tmp_path: Path) -> None:
     tiny_config("v3", **MOE).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: DeepSeek mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: mixture-of-experts layers"):
         check_tensor_parallel(tmp_path, 2)
 
 
@@ -267,19 +249,6 @@ def test_cuda_graphs_equal_the_cpu(deepseek: Path, extensible: bool) -> None:
     llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **CUDA)
     try:
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
-    finally:
-        llm.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("deepseek", ["v3-moe"], indirect=True)
-def test_cuda_experts_need_eager_decode(deepseek: Path) -> None:
-    with pytest.raises(RuntimeError, match="enforce_eager=True"):
-        LLM(deepseek, **CUDA)
-    expected = extkv_tokens(LLM(deepseek, **ON_CPU), PROMPTS, GREEDY)
-    llm = LLM(deepseek, enforce_eager=True, **CUDA)
-    try:
         assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     finally:
         llm.close()

@@ -36,6 +36,17 @@ _MLA_TINY: dict[str, object] = dict(
 # architecture -> (transformers config class, model class, tiny defaults of its own)
 _ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "gemma3": (
@@ -151,11 +162,12 @@ def make_random_checkpoint(
     num_hidden_layers: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
     **config_overrides: object,
 ) -> Path:
     """Write a random checkpoint of one of `_ARCHITECTURES`: tiny by default (2 layers, or
     the architecture's own default), any shape through `config_overrides` (e.g.
-    QWEN3_0_6B_SHAPE)."""
+    QWEN3_0_6B_SHAPE); `device` "cuda" builds a large one fast."""
     import transformers
 
     folder = Path(folder)
@@ -172,7 +184,8 @@ def make_random_checkpoint(
     config = getattr(transformers, config_name)(**shape)
     model_class = getattr(transformers, model_name)
     torch.manual_seed(seed)
-    model = model_class(config).to(dtype).eval()
+    with torch.device(device):
+        model = model_class(config).to(dtype).eval()
     model.save_pretrained(folder)
     if with_tokenizer:
         train_tokenizer(vocab_size).save_pretrained(folder)

@@ -206,11 +206,6 @@ class EngineConfig:
                 "kv_cache_policy='elastic' needs enable_extensible_kv_cache=True (or 'auto'): it "
                 "grows and shrinks the KV cache under addresses the CUDA graphs keep"
             )
-        if self.kv_cache_policy == "elastic" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "kv_cache_policy='elastic' needs tensor_parallel_size=1 (after a refused grow "
-                "it watches only the driver's free memory, not the workers')"
-            )
         if self.async_scheduling is None:
             self.async_scheduling = self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:

@@ -196,6 +196,11 @@ class ElasticMemory:
             )
         return min(reached)
 
+    def free_physical_bytes(self) -> int | None:
+        """The least memory any rank could commit now (None: nothing bounds any rank's)."""
+        bounded = [f for f in self._on_every_rank("free_physical_bytes") if f >= 0]
+        return min(bounded) if bounded else None
+
     def status(self) -> dict[str, object]:
         """The KV cache now: committed, capacity, in use, resizes so far, what sleeps."""
         blocks = self.scheduler.block_manager
@@ -275,7 +280,8 @@ class ElasticMemory:
         if reloaded:  # fully awake and nobody loaded the parameters (or that failed before)
             self._on_every_rank("reload_weights")
             self._parameters_unloaded = False
-        if not self._asleep:
+        if not self._asleep and self.sleep_level:
+            self._on_every_rank("hold_activation_memory")
             self.sleep_level = 0
         if woken or reloaded:
             logger.info(

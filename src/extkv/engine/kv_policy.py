@@ -11,7 +11,10 @@ Then, between steps, through the same resize as `LLM.resize_kv_cache`:
   ceiling. A grow the device refuses (its memory is taken, e.g. by another engine) is no
   error: the cache stays at its size and requests wait, as under the static policy. That
   is logged once, and no grow is tried again until the device reports more free memory
-  than it did then (so a full device costs no probe per step).
+  than it did then (so a full device costs no grow attempt per step). Under tensor
+  parallelism every rank grows and shrinks with the driver (extkv.engine.rank_memory):
+  a grow reaches what the poorest rank could commit, and "free memory" is the least any
+  rank has.
 - give back: `release_idle`, called after every step (and by the server while idle),
   keeps the most blocks held at once during the last `kv_idle_release_s` seconds (blocks
   committed in that time, by a grow or by `resize_kv_cache`, count as held), rounded up
@@ -64,7 +67,11 @@ class ElasticKVCachePolicy:
         self.elastic = elastic
         self.blocks = elastic.scheduler.block_manager
         self.ceiling = ceiling
-        self.floor = floor_blocks(elastic.kv_cache, elastic.min_blocks, ceiling)
+        # What start-up committed: each rank's floor_blocks, the smallest of them (ranks
+        # place their granule boundaries apart).
+        self.floor = min(
+            floor_blocks(elastic.kv_cache, elastic.min_blocks, ceiling), self.blocks.num_blocks
+        )
         self.idle_release_s = idle_release_s
         self.clock = clock
         # (time, the most blocks held since the entry before): a window of the last
@@ -98,7 +105,7 @@ class ElasticKVCachePolicy:
                     target,
                     reached,
                 )
-            self._free_when_refused = self.elastic.kv_cache.free_physical_bytes() or 0
+            self._free_when_refused = self.elastic.free_physical_bytes() or 0
         elif self._free_when_refused is not None:
             logger.info("Elastic KV cache: memory to grow again; %d blocks now.", reached)
             self._free_when_refused = None
@@ -141,7 +148,7 @@ class ElasticKVCachePolicy:
         """Whether a grow was refused and the device has not freed memory since."""
         if self._free_when_refused is None:
             return False
-        free = self.elastic.kv_cache.free_physical_bytes()  # None: nothing bounds it now
+        free = self.elastic.free_physical_bytes()  # None: nothing bounds it now
         return free is not None and free <= self._free_when_refused
 
     def _whole_granules(self, num_blocks: int) -> int:

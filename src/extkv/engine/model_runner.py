@@ -133,6 +133,7 @@ class ModelRunner:
         self.tp = tp
         self.device: torch.device = config.device
         self.vocab_size = vocab_size
+        self.activation_peak_bytes = 0  # measured by profile_run
         self.attention_layers, self.mixers = cache_layers(model)
         # Each layer reads its KV cache group's part of a step's inputs.
         for index, group in enumerate(kv_plan.attention_groups):
@@ -231,9 +232,31 @@ class ModelRunner:
         logits.argmax(dim=-1)
         del hidden, logits, embeds, reserved
         profile.activation_peak_bytes = max(self._memory_high_water_mark(reset=False) - before, 0)
+        self.activation_peak_bytes = profile.activation_peak_bytes
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the peak is budgeted apart; don't count it as in use too
         return profile
+
+    def hold_activation_memory(self) -> None:
+        """On CUDA, keep the profiled activation peak in torch's allocator cache (allocated
+        and freed at once), so that eager steps take their activations from it and not
+        from the driver, where another process (an elastic engine beside this one) may
+        have taken the memory since start-up gave it back."""
+        if self.device.type != "cuda" or not self.activation_peak_bytes:
+            return
+        try:
+            torch.empty(self.activation_peak_bytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:  # taken meanwhile (a wake): the steps try again
+            logger.warning(
+                "Could not hold the %.3f GiB activation peak in torch's cache: the device is "
+                "full; the eager steps will allocate it as they run.",
+                self.activation_peak_bytes / (1 << 30),
+            )
+
+    def release_activation_memory(self) -> None:
+        """Give torch's cached memory back to the driver (sleep: memory for others)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _reserve_encoder_cache(self, profile: Profile) -> torch.Tensor | None:
         """The whole encoder cache as one tensor (touched, so that the CPU's resident set

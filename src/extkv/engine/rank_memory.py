@@ -69,13 +69,25 @@ class RankMemory:
         tp, cache = self.tp, self.kv_cache
         return tp.all_gather_ints(cache.num_blocks), tp.all_gather_ints(cache.committed_bytes)
 
+    def free_physical_bytes(self) -> list[int]:
+        """Every rank's memory that could be committed now, in rank order (-1: nothing
+        bounds it, as with host memory without a limit)."""
+        free = self.kv_cache.free_physical_bytes()
+        return self.tp.all_gather_ints(-1 if free is None else free)
+
     def sleep_kv_cache(self) -> None:
         """Give the whole KV cache's memory back (the pool was emptied first)."""
         self.kv_cache.shrink(0)
 
     def sleep_weights(self, level: int) -> None:
-        """Give the weights' memory back: kept in host memory (level 1) or dropped (2)."""
+        """Give the weights' memory back: kept in host memory (level 1) or dropped (2);
+        and the activation memory torch holds for the eager steps."""
         self.runner.weights.offload(keep_parameters=level == 1)
+        self.runner.release_activation_memory()
+
+    def hold_activation_memory(self) -> None:
+        """Awake again: take the activation memory back into torch's cache."""
+        self.runner.hold_activation_memory()
 
     def wake_weights(self) -> bool:
         """Map the weights back under their addresses; whether the parameters were dropped

@@ -316,6 +316,7 @@ def initialize_kv_cache(
         config.max_model_len, config.max_num_batched_tokens
     )
     _log_groups(report, config.max_model_len)
+    runner.hold_activation_memory()
     report.kv_setup_seconds = time.perf_counter() - start
     sizing = report.kv_setup_seconds - report.profile_seconds - report.capture_seconds
     logger.info(
@@ -394,7 +395,8 @@ def _extensible_flow(
     _check_fits(num_blocks, runner, per_block, "sized after graph capture")
     ceiling = num_blocks
     if config.kv_cache_policy == "elastic":  # the rest is committed on demand
-        num_blocks = floor_blocks(cache, runner.min_blocks, ceiling)
+        floor = floor_blocks(cache, runner.min_blocks, ceiling)
+        num_blocks = _smallest(runner, floor, "the elastic policy's floor")
     num_blocks, report.extend_seconds = _timed(lambda: cache.extend(num_blocks))
     num_blocks = _smallest(runner, num_blocks, "committed")
     _check_fits(num_blocks, runner, per_block, "extended as far as physical memory allowed")

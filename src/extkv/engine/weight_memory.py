@@ -4,8 +4,8 @@ CUDA graphs bake in the weights' addresses, so sleep mode cannot free the weight
 and allocate them anew on wake. With `enable_sleep_mode` the engine moves every
 parameter and buffer of the model, right after loading and before anything takes
 an address, into one ExtensibleTensor: each tensor becomes a view at a fixed
-offset of it. Sleep copies bytes out to host memory (pinned on CUDA) and shrinks
-the region to nothing; wake commits it again under the same base pointer and
+offset of it. Sleep copies bytes out to host memory and shrinks the region to
+nothing; wake commits it again under the same base pointer and
 copies them back. Level 2 keeps only the buffers on the host (rotary tables and
 the like, which no checkpoint holds): on wake the parameters are filled again,
 from the checkpoint or by `load_weights` (see extkv.engine.elastic).
@@ -14,6 +14,8 @@ from the checkpoint or by `load_weights` (see extkv.engine.elastic).
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,27 @@ class _Storage:
     saved: torch.Tensor | None = None
 
 
+def _pinned_host_buffer(num_bytes: int) -> torch.Tensor:
+    """`num_bytes` of host memory registered with the driver (page-locked), so copies to
+    and from the device run at the link's speed.
+
+    Registered rather than taken from torch's pinned allocator, which rounds a request up
+    to a power of two (up to twice the host memory) and keeps it cached."""
+    buffer = torch.empty(num_bytes, dtype=torch.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), num_bytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {num_bytes} bytes for the weights' sleep copy failed "
+            f"(error {int(err)}): too little host memory to hold the weights while "
+            "asleep; free some, or run without enable_sleep_mode"
+        )
+    return buffer
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class WeightMemory:
     """The model's parameters and buffers as views into one region that can be emptied
     (`offload`) and filled again (`restore`) under the same addresses."""
@@ -58,6 +81,21 @@ class WeightMemory:
             self._storages[key].has_buffer |= kind == "buffer"
         self.num_bytes = size
         self._saved: torch.Tensor | None = None  # the whole region while a level-1 sleep lasts
+        # On CUDA the host copy a level-1 sleep fills is pinned once, here: pinning runs at
+        # about 2 GB/s on the H200's host, 20x slower than the copy itself, and a sleep
+        # should cost the copy only (and cannot fail later for lack of lockable memory).
+        self._host_copy: torch.Tensor | None = None
+        if device.type == "cuda":
+            start = time.perf_counter()
+            self._host_copy = _pinned_host_buffer(size)
+            # Unregistered before the buffer goes back to the heap, whoever drops it: a
+            # registered range that is freed makes the next registration there fail.
+            self._unpin = weakref.finalize(self, _unpin, self._host_copy.data_ptr())
+            logger.info(
+                "Pinned %.3f GiB of host memory for level-1 sleep in %.2f s.",
+                size / (1 << 30),
+                time.perf_counter() - start,
+            )
         self._region = ExtensibleTensor(size, device)
         self._region.resize_(size)
         for key, storage in self._storages.items():
@@ -100,14 +138,16 @@ class WeightMemory:
         """Copy what wake needs back to host memory (everything, or with `keep_parameters`
         off only the storages buffers use) and give the region's memory back.
 
-        Everything goes as one copy into one host buffer (pinned on CUDA, from torch's
-        caching host allocator, so a second sleep reuses it): one transfer at full link
-        speed, where a copy per tensor pays a launch and a sync for each."""
+        Everything goes as one copy into one host buffer (on CUDA the one pinned at
+        start-up): one transfer at full link speed, where a copy per tensor pays a launch
+        and a sync for each."""
         cuda = self._region.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self._region.device)  # no kernel may still read the weights
         if keep_parameters:
-            self._saved = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self._saved = self._host_copy
+            if self._saved is None:
+                self._saved = torch.empty(self.num_bytes, dtype=torch.uint8)
             self._saved.copy_(self._region.full_view()[: self.num_bytes])
         else:
             for storage in self._storages.values():
@@ -137,5 +177,8 @@ class WeightMemory:
         """Give the region back for good; the model's tensors dangle after."""
         self._region.free()
         self._saved = None
+        if self._host_copy is not None:
+            self._unpin()
+            self._host_copy = None
         for storage in self._storages.values():
             storage.saved = None

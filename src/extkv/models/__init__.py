@@ -10,6 +10,7 @@ from extkv.models.loader import MODEL_REGISTRY, check_tensor_parallel, load_mode
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
+from extkv.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = [
     "MODEL_REGISTRY",
@@ -26,6 +27,7 @@ __all__ = [
     "ModelFacts",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "check_tensor_parallel",
     "load_model",
     "model_facts",

@@ -2,8 +2,8 @@
 extkv.attention.mla) in place of grouped-query attention, and mixture-of-experts MLPs past
 the first `first_k_dense_replace` layers.
 
-Module names mirror the Hugging Face checkpoints' tensor names (experts one by one, as
-checkpoints store them).
+Module names mirror the Hugging Face checkpoints' tensor names; the experts are stacked per
+layer (extkv.models.moe), filled from the checkpoints' per-expert tensors.
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from extkv.attention import MLAAttention
-from extkv.distributed import current_group
 from extkv.models.hf_config import rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, mla_softmax_scale
 from extkv.models.llama import CausalLM, DecoderLayer, DecoderModel, _check_supported
+from extkv.models.moe import MixtureOfExperts, Router
 from extkv.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard, split_evenly
 from extkv.models.reference import apply_rotary
 
@@ -33,115 +32,37 @@ def _is_moe(config: PretrainedConfig, layer: int) -> bool:
     return bool(config.n_routed_experts) and layer >= (config.first_k_dense_replace or 0)
 
 
-def _keep_groups(
-    scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float
-) -> torch.Tensor:
-    """`scores` (T, experts) with every expert outside the `topk_group` best of its token's
-    groups (group_scores (T, groups)) set to `fill`."""
-    groups = group_scores.shape[-1]
-    best = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    kept = torch.zeros_like(group_scores).scatter_(1, best, 1)
-    kept = kept.unsqueeze(-1).expand(-1, groups, scores.shape[-1] // groups).flatten(1)
-    return scores.masked_fill(~kept.bool(), fill)
-
-
-class Router(nn.Module):
-    """Picks each token's `num_experts_per_tok` experts and their weights, in fp32 (the
-    weight stays fp32 whatever the model dtype, as transformers keeps it).
-
-    V2 (softmax): the best scores, of the `topk_group` groups with the best single score
-    when `topk_method` is group_limited_greedy. V3 (sigmoid): experts chosen by score plus
-    `e_score_correction_bias` among the groups whose two best such scores sum highest,
-    weighted by their plain scores, normalised when `norm_topk_prob`. Both then scale by
-    `routed_scaling_factor`."""
-
-    def __init__(self, config: PretrainedConfig, sigmoid: bool) -> None:
-        super().__init__()
-        experts = config.n_routed_experts
-        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = (
-            nn.Parameter(torch.zeros(experts, dtype=torch.float32)) if sigmoid else None
+def _router(config: PretrainedConfig, sigmoid: bool) -> Router:
+    """V2's softmax router (`topk_method` greedy or group_limited_greedy) or V3's sigmoid
+    one (normalised when `norm_topk_prob`), both scaled by `routed_scaling_factor`, with
+    the router weight and the routing weights in fp32 whatever the model dtype, as
+    transformers keeps them."""
+    method = "sigmoid" if sigmoid else config.topk_method
+    if method not in ("sigmoid", *_TOPK_METHODS):
+        raise ValueError(
+            f"topk_method {config.topk_method!r} is not supported; extkv supports "
+            f"{', '.join(map(repr, _TOPK_METHODS))}"
         )
-        self.method = "sigmoid" if sigmoid else config.topk_method
-        if self.method not in ("sigmoid", *_TOPK_METHODS):
-            raise ValueError(
-                f"topk_method {config.topk_method!r} is not supported; extkv supports "
-                f"{', '.join(map(repr, _TOPK_METHODS))}"
-            )
-        grouped = self.method != "greedy"
-        if grouped and not (config.n_group and config.topk_group):
-            raise ValueError(
-                f"grouped expert routing needs n_group and topk_group; got n_group="
-                f"{config.n_group}, topk_group={config.topk_group}"
-            )
-        self.top_k = config.num_experts_per_tok
-        self.n_group, self.topk_group = config.n_group, config.topk_group
-        self.norm_topk_prob = sigmoid and config.norm_topk_prob
-        self.routed_scaling_factor = config.routed_scaling_factor
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden_size) -> (weights (T, top_k) fp32, expert indices (T, top_k))."""
-        logits = F.linear(x.float(), self.weight.float())
-        if self.method == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            grouped = choice.unflatten(-1, (self.n_group, -1))
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            choice = _keep_groups(choice, group_scores, self.topk_group, float("-inf"))
-            indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, indices)
-            if self.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            scores = logits.softmax(dim=-1, dtype=torch.float32)
-            if self.method == "group_limited_greedy":
-                group_scores = scores.unflatten(-1, (self.n_group, -1)).max(dim=-1).values
-                scores = _keep_groups(scores, group_scores, self.topk_group, 0.0)
-            weights, indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
-        return weights * self.routed_scaling_factor, indices
+    return Router(
+        config.hidden_size,
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+        method,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        norm_topk_prob=sigmoid and config.norm_topk_prob,
+        scale=config.routed_scaling_factor,
+        weight_dtype=torch.float32,
+    )
 
 
-class MixtureOfExperts(nn.Module):
-    """A DeepSeek MoE layer: each token through its routed experts, weighted, plus the
-    shared experts every token takes. Experts run one after another on their tokens (the
-    CPU reference, as transformers does); CUDA graphs cannot capture that routing."""
-
-    def __init__(self, config: PretrainedConfig, sigmoid: bool) -> None:
-        super().__init__()
-        tp = current_group().size
-        if tp > 1:
-            raise ValueError(
-                f"tensor_parallel_size={tp}: DeepSeek mixture-of-experts layers (n_routed_"
-                "experts, first_k_dense_replace) run on one rank only for now"
-            )
-        hidden, inner = config.hidden_size, config.moe_intermediate_size
-        self.gate = Router(config, sigmoid)
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden, inner, False) for _ in range(config.n_routed_experts)
-        )
-        shared = config.n_shared_experts
-        bias = getattr(config, "mlp_bias", False)
-        self.shared_experts = GatedMLP(hidden, inner * shared, bias) if shared else None
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `GatedMLP.forward`: (experts' output of `norm(x, residual)`, residual stream)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "mixture-of-experts layers cannot run under CUDA graph capture (their routing "
-                "decides shapes on the host); use enforce_eager=True"
-            )
-        h, residual = norm(x, residual)
-        weights, indices = self.gate(h)
-        out = torch.zeros_like(h)
-        for expert in indices.unique().tolist():  # ascending, as transformers adds them
-            token, slot = (indices == expert).nonzero(as_tuple=True)
-            rows = self.experts[expert].feed_forward(h[token]) * weights[token, slot, None]
-            out.index_add_(0, token, rows.to(out.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts.feed_forward(h)
-        return out, residual
+def _experts(config: PretrainedConfig, sigmoid: bool) -> MixtureOfExperts:
+    """A DeepSeek MoE layer: routed experts of `moe_intermediate_size` plus
+    `n_shared_experts` shared ones fused into one MLP every token takes."""
+    inner, shared = config.moe_intermediate_size, config.n_shared_experts
+    bias = getattr(config, "mlp_bias", False)
+    shared_experts = GatedMLP(config.hidden_size, inner * shared, bias) if shared else None
+    return MixtureOfExperts(_router(config, sigmoid), config.hidden_size, inner, shared_experts)
 
 
 def _replicated(in_features: int, out_features: int, bias: bool) -> ColumnParallelLinear:
@@ -257,7 +178,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         sigmoid = self.sigmoid_router
 
         def layer(i: int) -> DecoderLayer:
-            moe = MixtureOfExperts(config, sigmoid) if _is_moe(config, i) else None
+            moe = _experts(config, sigmoid) if _is_moe(config, i) else None
             return DecoderLayer(config, LatentAttention(config, interleave), moe)
 
         super().__init__(config, DecoderModel(config, layer))

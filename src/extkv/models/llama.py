@@ -194,9 +194,14 @@ class LlamaForCausalLM(CausalLM):
 
         def layer(i: int) -> DecoderLayer:
             attention = DecoderAttention(config, self.qk_norm, window, qkv_bias=self.qkv_bias)
-            return DecoderLayer(config, attention)
+            return DecoderLayer(config, attention, self.make_mlp(config, i))
 
         super().__init__(config, DecoderModel(config, layer))
+
+    def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the config's dense GatedMLP (mixture-of-experts
+        models say which layers route instead)."""
+        return None
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -3,8 +3,8 @@
 The model is built directly on the target device in the target dtype (no fp32
 copy on the CPU first), for one tensor-parallel rank: its layers hold only their
 shards. Checkpoint tensors map onto parameters by name; a parameter that fuses
-several checkpoint tensors (`MergedColumnParallelLinear`) is filled part by part,
-and a sharded one takes its rows, through its `weight_loader`. Every name is
+several checkpoint tensors (`MergedColumnParallelLinear`, stacked experts) is filled
+part by part, and a sharded one takes its rows, through its `weight_loader`. Every name is
 checked before any tensor is read, so a mismatched checkpoint fails fast, naming
 what is missing and what is unexpected. A GGUF file's tensors, dequantized under
 their Hugging Face names (extkv.models.gguf), go through the same matching.
@@ -37,6 +37,7 @@ from extkv.models.llava import LlavaForConditionalGeneration
 from extkv.models.mamba2_model import Mamba2ForCausalLM
 from extkv.models.parallel import MergedColumnParallelLinear
 from extkv.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
+from extkv.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
@@ -49,6 +50,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # For configs without `architectures` (GGUF files, some hand-written configs).
 _BY_MODEL_TYPE = {
@@ -62,6 +64,7 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Tensors older checkpoints carry that the model recomputes itself.
@@ -174,16 +177,25 @@ def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
 
 
+def _sources(module_name: str, module: nn.Module, param_name: str) -> list[tuple[str, str | None]]:
+    """(checkpoint name, part) of every tensor that fills parameter `param_name` of
+    `module`: the sibling modules' a merged linear fuses, the per-expert tensors stacked
+    experts hold (their `checkpoint_parts`), else the parameter's own name."""
+    if isinstance(module, MergedColumnParallelLinear):
+        parent = module_name.rpartition(".")[0]
+        return [(_join(parent, part, param_name), part) for part in module.parts]
+    parts = getattr(module, "checkpoint_parts", None)
+    if parts is not None:
+        return [(_join(module_name, part), part) for part in parts(param_name)]
+    return [(_join(module_name, param_name), None)]
+
+
 def _slots(model: nn.Module) -> list[_Slot]:
     """Every parameter (part) of `model` with the checkpoint names that may fill it."""
     slots: dict[tuple[int, str | None], _Slot] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedColumnParallelLinear):
-                parent = module_name.rpartition(".")[0]
-                sources = [(_join(parent, part, param_name), part) for part in module.parts]
-            else:
-                sources = [(_join(module_name, param_name), None)]
+            sources = _sources(module_name, module, param_name)
             for name, part in sources:
                 slots.setdefault((id(param), part), _Slot(param, part)).names.append(name)
     return list(slots.values())

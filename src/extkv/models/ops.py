@@ -6,6 +6,8 @@ is also what the kernels are tested against.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +117,39 @@ def rms_norm_linear(
         return linear(rms_norm(x, norm_weight, eps), weight, bias), x
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     return linear(normed, weight, bias), residual
+
+
+def _fused_moe() -> bool:
+    """Whether CUDA runs mixture-of-experts layers through the fused kernels (EXTKV_FUSED_MOE,
+    default 1) or the reference loop (0: eager only, for comparison)."""
+    wanted = os.environ.get("EXTKV_FUSED_MOE", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(
+            f"EXTKV_FUSED_MOE must be 0 (the reference loop) or 1 (the fused kernels), "
+            f"got {wanted!r}"
+        )
+    return wanted == "1"
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A mixture-of-experts layer's routed experts (plus `shared`, the shared experts'
+    output): the fused Triton kernels on CUDA, which CUDA graphs capture; the reference
+    loop elsewhere. See `reference.moe_experts`."""
+    fused = _fused_moe()  # checked on every device: a bad value fails on the CPU too
+    if x.is_cuda and fused:
+        from extkv.kernels.fused_moe import fused_experts
+
+        return fused_experts(x, gate_up, down, weights, indices, shared)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "EXTKV_FUSED_MOE=0: the reference mixture-of-experts loop cannot run under CUDA "
+            "graph capture (the host decides its shapes); use enforce_eager=True"
+        )
+    return reference.moe_experts(x, gate_up, down, weights, indices, shared)

@@ -46,6 +46,29 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh").mul_(up)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A mixture-of-experts layer's output for x (T, H): each token's rows of its experts
+    `indices` (T, top_k), scaled by `weights` (T, top_k), summed; plus `shared` (T, H), the
+    shared experts' output, when given. gate_up (E, 2I, H) and down (E, H, I) stack the
+    experts' weights. As transformers: one expert after another in ascending order, each
+    added into the output in x's dtype (the host learns which experts are hit: no CUDA
+    graph can capture this)."""
+    out = torch.zeros_like(x)
+    for expert in indices.unique().tolist():
+        token, slot = (indices == expert).nonzero(as_tuple=True)
+        activated = silu_and_mul(F.linear(x[token], gate_up[expert]))
+        rows = F.linear(activated, down[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, rows.to(out.dtype))
+    return out if shared is None else out + shared
+
+
 def gated_rms_norm(
     y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor:
