@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +93,60 @@ def deepseek_checkpoint(path: Path, architecture: str, **overrides: object) -> P
             tensor.normal_(std=0.3, generator=generator)
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+# DeepSeek's mixture of experts at tiny size: the layers from 1 on route each token to 2 of
+# 8 experts (in 2 groups, 1 kept, where the router groups), plus a shared one.
+DEEPSEEK_MOE = dict(
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+)
+# A tiny model's engine (test_mla, test_moe). Block size 16: the long prompts span several
+# blocks; a step of at most 32 tokens cuts them into chunks, the later ones attending to a
+# cached prefix.
+TINY_ENGINE = dict(
+    cpu_memory_budget_bytes=128 << 20,
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    block_size=16,
+)
+# On CUDA, against the CPU's tokens: fp32 so that they are the CPU's; a few blocks and a
+# small budget, so that the tiny model's KV cache leaves the GPU to the other tests.
+TINY_ENGINE_CPU = dict(TINY_ENGINE, device="cpu")
+TINY_ENGINE_CUDA = dict(
+    TINY_ENGINE,
+    device="cuda",
+    dtype=torch.float32,
+    num_gpu_blocks_override=256,
+    gpu_memory_utilization=0.05,
+)
+# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 16 tokens.
+GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+
+
+def assert_legacy_equals_extensible(
+    path: Path, prompts: list[list[int]], check: Callable[[LLM], None] | None = None
+) -> None:
+    """16 greedy tokens of each prompt and their logprobs the same to the bit on the legacy
+    and the extensible KV cache (TINY_ENGINE); `check` looks at each engine first."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = []
+    for extensible in (False, True):
+        llm = LLM(path, enable_extensible_kv_cache=extensible, **TINY_ENGINE)
+        assert llm.memory_report()["extensible"] is extensible
+        if check is not None:
+            check(llm)
+        run = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in run])
+    legacy, extensible = outputs
+    assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]
+    assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]
 
 
 # Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
