@@ -21,24 +21,22 @@ logger = logging.getLogger(__name__)
 
 
 def random_checkpoint(
-    folder: str, architecture: str, shape: str | dict[str, object] | None = None
+    folder: str, architecture: str, shape: str | dict[str, object] | None = None, **options
 ) -> Path:
     """A random checkpoint (no tokenizer) of `architecture` in `folder`, built once: bf16
     in `shape` (the config overrides, or the name of one of extkv.demo's shapes), or
-    demo-sized in fp32 without one. Built by the parent of a --baseline-src run: extkv.demo
-    is this tree's, which an older one may lack."""
+    demo-sized in fp32 without one; `options` (config fields, `device`) go to
+    make_random_checkpoint too. Built by the parent of a --baseline-src run: extkv.demo is
+    this tree's, which an older one may lack."""
     path = Path(folder)
     if not (path / "config.json").exists():
         from extkv import demo
 
-        if shape is None:
-            demo.make_random_checkpoint(path, architecture, with_tokenizer=False)
-        else:
+        if shape is not None:
             overrides = getattr(demo, shape) if isinstance(shape, str) else shape
+            options = {"dtype": torch.bfloat16, **overrides, **options}
             logger.info("building a random bf16 %s checkpoint in %s", architecture, path)
-            demo.make_random_checkpoint(
-                path, architecture, with_tokenizer=False, dtype=torch.bfloat16, **overrides
-            )
+        demo.make_random_checkpoint(path, architecture, with_tokenizer=False, **options)
     return path
 
 

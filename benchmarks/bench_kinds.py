@@ -38,10 +38,9 @@ from _common import (
     decode_throughput,
     device_bandwidth,
     engine_options,
-    measure_trees,
+    measure_and_report,
+    random_checkpoint,
     random_prompts,
-    report,
-    write_json,
 )
 from extkv import LLM
 
@@ -124,8 +123,6 @@ def _cut(shape: dict[str, object], num_layers: int | None) -> dict[str, object]:
 
 
 def checkpoint(name: str, args) -> Path:
-    from extkv.demo import make_random_checkpoint
-
     architecture, shape = MODELS[name]
     if args.smoke:  # the demo's tiny model of that architecture, MoE layers included
         moe = dict(
@@ -135,17 +132,11 @@ def checkpoint(name: str, args) -> Path:
             moe_intermediate_size=32,
             first_k_dense_replace=1,
         )
-        shape = moe if name == "mla" else {}
-        path = Path(f"/tmp/extkv-bench/tiny-kinds-{name}")
-        dtype = torch.float32
-    else:
-        shape = _cut(shape, args.num_layers)
-        layers = shape["num_hidden_layers"]
-        path = Path(f"/tmp/extkv-bench/{name}-{layers}-layers")
-        dtype = torch.bfloat16
-    if not (path / "config.json").exists():
-        make_random_checkpoint(path, architecture, with_tokenizer=False, dtype=dtype, **shape)
-    return path
+        tiny = moe if name == "mla" else {}
+        return random_checkpoint(f"/tmp/extkv-bench/tiny-kinds-{name}", architecture, **tiny)
+    shape = _cut(shape, args.num_layers)
+    layers = shape["num_hidden_layers"]
+    return random_checkpoint(f"/tmp/extkv-bench/{name}-{layers}-layers", architecture, shape)
 
 
 def roof_step_bytes(config, batch: int, context: int) -> float:
@@ -242,11 +233,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     for name in args.models:  # here, before any child: built by this tree's extkv.demo
         checkpoint(name, args)
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    report("kinds", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "kinds", COLUMNS)
 
 
 if __name__ == "__main__":
