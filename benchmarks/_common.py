@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -179,6 +180,18 @@ def _throughput(run, batch: int, output_len: int) -> tuple[float, float]:
     t_one, _ = timed(lambda: run(1))
     t_all, _ = timed(lambda: run(output_len))
     return batch * output_len / t_all, batch * (output_len - 1) / (t_all - t_one)
+
+
+@dataclass(frozen=True)
+class DecodeSetting:
+    """The shapes of a decode-throughput run: the real one, or --smoke's (SMOKE_DECODE)."""
+
+    prompt_len: int = 256
+    output_len: int = 128
+    batch_sizes: tuple[int, ...] = (1, 64)
+
+
+SMOKE_DECODE = DecodeSetting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
 
 
 def decode_throughput(llm, batch: int, vocab: int, prompt_len: int, output_len: int):

@@ -13,7 +13,6 @@ ratios; transformers runs once, after them, in this process.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import torch
 import transformers
 
 from _common import (
+    SMOKE_DECODE,
     Column,
+    DecodeSetting,
     Rows,
     benchmark_parser,
     decode_throughput,
@@ -44,18 +45,6 @@ COLUMNS: list[Column] = [
 ]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 256
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
-
-
 def checkpoint(args) -> Path:
     if args.smoke:
         return tiny_checkpoint("bamba")
@@ -68,7 +57,7 @@ def vocab_size(path: Path) -> int:
 
 def measure(args) -> Rows:
     """extkv's figures per batch size (and its KV cache's blocks)."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     path = checkpoint(args)
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     llm = LLM(
@@ -96,7 +85,7 @@ def measure(args) -> Rows:
 
 def add_transformers(args, rows: Rows) -> None:
     """transformers `generate` on the same prompts, into `rows` (this tree's)."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     path = checkpoint(args)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -25,7 +25,6 @@ touch, E (1 - (1 - k/E)^batch) of E) plus each sequence's KV cache at the mean c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ import transformers
 
 from _common import (
     Column,
+    DecodeSetting,
     Rows,
     benchmark_parser,
     decode_throughput,
@@ -100,16 +100,8 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 1024
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=24, output_len=4, batch_sizes=(1, 2))
+SETTING = DecodeSetting(prompt_len=1024)
+SMOKE = DecodeSetting(prompt_len=24, output_len=4, batch_sizes=(1, 2))
 
 
 def _cut(shape: dict[str, object], num_layers: int | None) -> dict[str, object]:
@@ -170,7 +162,7 @@ def roof_step_bytes(config, batch: int, context: int) -> float:
 
 
 def measure(args) -> Rows:
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE if args.smoke else SETTING
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     bandwidth = None if args.smoke else device_bandwidth()
     rows: Rows = {}

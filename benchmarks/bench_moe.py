@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 
 from _common import (
+    SMOKE_DECODE,
     Column,
+    DecodeSetting,
     Rows,
     decode_throughput,
     engine_options,
@@ -68,18 +69,6 @@ COLUMNS: list[Column] = [
 ]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 256
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
-
-
 def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
     """The random checkpoint of `shape` with `layers` layers (built once, on the GPU); the
     tiny Qwen3-MoE for --smoke."""
@@ -94,7 +83,7 @@ def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
 
 def measure(args: argparse.Namespace) -> Rows:
     """Each engine's figures per batch size, the engines one after another."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     path = moe_checkpoint(args.shape, args.layers, args.smoke)
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
