@@ -187,6 +187,19 @@ def test_chunked_prefill_never_cuts_an_image(
     assert_encoder_cache_released(llm)
 
 
+def test_two_ranks_compute_alike(gemma3: Path, expected: tuple) -> None:
+    """Tensor parallel: every rank holds the vision tower, and takes the key bounds of a
+    step's images with its inputs; steps of 6 tokens."""
+    _, want = expected
+    options = {**SMALL, "max_num_batched_tokens": 6, "max_num_seqs": 2}
+    llm = LLM(gemma3, tensor_parallel_size=2, **options)
+    try:
+        assert tokens(llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == want
+        assert_encoder_cache_released(llm)
+    finally:
+        llm.close()
+
+
 def test_a_step_budget_below_one_image_is_refused(gemma3: Path) -> None:
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=3 is below the 4 tokens"):
         LLM(gemma3, **{**SMALL, "max_num_batched_tokens": 3, "max_num_seqs": 1})
@@ -299,12 +312,13 @@ def test_pan_and_scan_is_refused(gemma3: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_cuda_equals_the_cpu_reference(gemma3: Path) -> None:
     """On CUDA (the Triton prefill kernel with image key bounds, decode graphs): the CPU
-    engine's tokens, legacy and extensible KV cache, and chunks of 6 tokens that end
+    engine's tokens, legacy and extensible KV cache, and steps of 8 tokens that end
     before images."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    cpu = tokens(LLM(gemma3, **SMALL).generate(as_dicts(PROMPTS), params, use_tqdm=False))
+    reference = LLM(gemma3, device="cpu", **SMALL)
+    cpu = tokens(reference.generate(as_dicts(PROMPTS), params, use_tqdm=False))
     options = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3)
-    for extra in ({}, {"enable_extensible_kv_cache": True}, {"max_num_batched_tokens": 6}):
+    for extra in ({}, {"enable_extensible_kv_cache": True}, {"max_num_batched_tokens": 8}):
         llm = LLM(gemma3, max_num_seqs=8, **options, **extra)
         assert llm.engine.runner.graphs is not None
         assert tokens(llm.generate(as_dicts(PROMPTS), params, use_tqdm=False)) == cpu
