@@ -9,7 +9,9 @@ prompt's later chunks) is, on the CPU, two flash calls merged by their log-sum-e
 every query against the whole prefix, and the new tokens among themselves under
 the causal mask the kernel skips blocks of; elsewhere (the GPU kernels' oracle) it
 goes `QUERY_CHUNK` queries at a time under a (chunk, context) mask. Either way its
-memory grows linearly with its length, not with its square.
+memory grows linearly with its length, not with its square. A prompt with images whose
+tokens see each other (key bounds: Gemma 3) takes the masked path, its mask reaching
+to each query's bound.
 """
 
 from __future__ import annotations
