@@ -7,8 +7,8 @@
 Front-end and back-end errors (a Triton version's typing rules, PTX assembly) show up
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
-prefetch), of the paged attention (decode splits, prefill, PDL, MLA's latent rows; each
-checked against sm90's shared memory) and its merge, the RMSNorm and
+prefetch), of the paged attention (decode splits, prefill, PDL, image key bounds, MLA's
+latent rows; each checked against sm90's shared memory) and its merge, the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share, and the fused MoE's kernels.
 """
 
@@ -97,11 +97,13 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
     types = {
         **dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), "*bf16"),
         **dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "*fp32"),
-        **dict.fromkeys(("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"), "*i32"),
+        **dict.fromkeys(
+            ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "key_bounds_ptr"), "*i32"
+        ),
         "qk_scale": "fp32",
     }
     cases = [
-        (name, 2, 128, tiles, splits, pdl, window)
+        (name, 2, 128, tiles, splits, pdl, window, False)
         for (name, tiles), splits, pdl, window in itertools.product(
             (("decode", paged_attention.DECODE_TILES), ("prefill", paged_attention.PREFILL_TILES)),
             (1, 4),
@@ -110,10 +112,12 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
         )
         if name == "decode" or splits == 1
     ]
+    prefill = paged_attention.PREFILL_TILES
+    cases += [("prefill", 2, 128, prefill, 1, True, window, True) for window in (False, True)]
     mla = paged_attention.DECODE_TILES
-    cases += [("mla", heads, 576, mla, 4, True, False) for heads in (16, 32)]
+    cases += [("mla", heads, 576, mla, 4, True, False, False) for heads in (16, 32)]
     variants = []
-    for name, group, head_dim, tiles, splits, pdl, window in cases:
+    for name, group, head_dim, tiles, splits, pdl, window, images in cases:
         dim_p2 = triton.next_power_of_2(head_dim)
         block_m = max(tiles.block_m, group)
         tiles = paged_attention.fit_tiles(tiles, block_m, dim_p2, 2, torch.device("cpu"))
@@ -127,13 +131,14 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
             UNMASKED_FIRST=name == "prefill" and not window,
+            KEY_BOUNDS=images,
             DOT_PRECISION="tf32",
             USE_PDL=pdl,
         )
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         label = (
             f"paged attention {name} heads/kv={group} {tiles} splits={splits} pdl={pdl:d} "
-            f"window={window:d}"
+            f"window={window:d} images={images:d}"
         )
         variants.append((label, types, constexprs, options))
     return variants

@@ -32,17 +32,28 @@ def qkv(q_len: int, kv_len: int, heads: int = 6, kv_heads: int = 2, dim: int = 3
 
 
 def full_mask_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    images: list[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """The definition, in float64: every score of the prompt against its context at once
-    (with a window W, a query sees its last W positions, as transformers' mask)."""
+    (with a window W, a query sees its last W positions, as transformers' mask). The
+    tokens of each of `images` ((first position, length)) also see each other, as
+    transformers' Gemma 3 mask: (causal or same image) and window."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     q_len, kv_len = q.shape[1], k.shape[1]
     pos = torch.arange(kv_len)
+    image = torch.full((kv_len,), -1)
+    for index, (first, length) in enumerate(images):
+        image[first : first + length] = index
     query_pos = pos[kv_len - q_len :, None]
-    hidden = (pos[None, :] > query_pos) | (pos[None, :] <= query_pos - (window or kv_len))
+    same_image = (image[kv_len - q_len :, None] == image[None, :]) & (image[None, :] >= 0)
+    seen = (pos[None, :] <= query_pos) | same_image
+    hidden = ~seen | (pos[None, :] <= query_pos - (window or kv_len))
     scores = (q @ k.transpose(1, 2) * SCALE).masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
@@ -96,6 +107,31 @@ def test_sliding_window_equals_its_full_mask(q_len: int, kv_len: int, window: in
         masked_chunk_attention(q, k, v, SCALE, 64, sliding_window=window),
     ):
         torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+# A whole prompt; after a cached prefix of 20 (an image in it, one begun in it), with a
+# window shorter than the images; one query, the last token of an image.
+IMAGE_CASES = [(60, 60, None, 16), (50, 70, None, 64), (50, 70, 9, 16), (1, 29, None, 8)]
+IMAGES = [(2, 6), (17, 12), (35, 20)]
+
+
+@pytest.mark.parametrize(("q_len", "kv_len", "window", "chunk"), IMAGE_CASES)
+def test_image_blocks_equal_their_full_mask(
+    q_len: int, kv_len: int, window: int | None, chunk: int
+) -> None:
+    """Key bounds at each image's last token give transformers' Gemma 3 mask: images in
+    the cached prefix, begun in it, across query chunks, longer than the window."""
+    q, k, v = qkv(q_len, kv_len)
+    images = [(first, length) for first, length in IMAGES if first + length <= kv_len]
+    bounds = torch.arange(kv_len - q_len, kv_len)
+    for first, length in images:
+        inside = (bounds >= first) & (bounds < first + length)
+        bounds = torch.where(inside, first + length - 1, bounds)
+    expected = full_mask_attention(q, k, v, window, images)
+    out = masked_chunk_attention(q, k, v, SCALE, chunk, sliding_window=window, key_bounds=bounds)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    if q_len > 1:  # the images matter
+        assert not torch.allclose(out.double(), full_mask_attention(q, k, v, window), atol=1e-3)
 
 
 def test_a_whole_prompt_is_transformers_call() -> None:

@@ -79,6 +79,20 @@ def make_batch(
     return Batch(metadata, query, key, value)
 
 
+def image_key_bounds(
+    context_lens: list[int], q_lens: list[int], images: list[list[tuple[int, int]]], device: str
+) -> torch.Tensor:
+    """Each new token's last visible key: its own position, or its image's last one."""
+    bounds = []
+    for context_len, q_len, runs in zip(context_lens, q_lens, images, strict=True):
+        last = torch.arange(context_len - q_len, context_len)
+        for first, length in runs:
+            inside = (last >= first) & (last < first + length)
+            last = torch.where(inside, first + length - 1, last)
+        bounds.append(last)
+    return torch.cat(bounds).to(torch.int32).to(device)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
@@ -107,9 +121,12 @@ def check_attention(
     tol: float,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    images: list[list[tuple[int, int]]] | None = None,
 ) -> None:
     """Kernel output (NaN-poisoned first) vs the reference in float32; with a window, the
-    blocks before every query's window are poisoned too (neither side may read them)."""
+    blocks before every query's window are poisoned too (neither side may read them).
+    `images`: each sequence's (first position, length) runs whose tokens see each other
+    (key bounds, as a Gemma 3 prefill has)."""
     num_kv_heads = 2
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 7
     cache = Cache.random(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
@@ -125,6 +142,8 @@ def check_attention(
         device,
     )
     scale = head_dim**-0.5
+    if images is not None:
+        batch.metadata.key_bounds = image_key_bounds(context_lens, q_lens, images, device)
     if sliding_window is not None:  # what a window frees: every block before the first seen
         md = batch.metadata
         for s, (context_len, q_len) in enumerate(zip(context_lens, q_lens, strict=True)):
@@ -192,6 +211,13 @@ def check_varlen(group: int, dtype: torch.dtype, device: str, tol: float) -> Non
 CPU_TOL = 1e-5
 PREFILL_CPU = dict(context_lens=[21, 10, 110], q_lens=[21, 1, 40])  # no / short / long prefix
 DECODE_CPU = dict(context_lens=[1, 9, 150], q_lens=[1, 1, 1])
+# Images: one in a whole prompt; one begun in the cached prefix, one across the 64-token
+# query tiles (longer than the window below), one at the end; a text-only sequence.
+IMAGES_CPU = dict(
+    context_lens=[30, 10, 150],
+    q_lens=[30, 1, 140],
+    images=[[(3, 8)], [], [(8, 6), (50, 30), (147, 3)]],
+)
 
 
 def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
@@ -209,6 +235,10 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
             partial(check_mla_decode, 4, 4, 48, **on_cpu, tol=CPU_TOL),  # rank 32 + rope 16
         ],
         "varlen": [partial(check_varlen, 2, **on_cpu, tol=CPU_TOL)],
+        "images": [
+            partial(attn, "split", 4, 2, 32, **IMAGES_CPU),
+            partial(attn, "block_major", 16, 3, 24, **IMAGES_CPU, sliding_window=16),
+        ],
         "window": [
             partial(attn, "split", 4, 2, 32, **PREFILL_CPU, sliding_window=16),
             partial(attn, "block_major", 4, 4, 32, **DECODE_CPU, num_splits=4, sliding_window=24),
@@ -231,7 +261,7 @@ def test_tiles_fit_shared_memory() -> None:
         fit_tiles(DECODE_TILES, 128, 1024, 2, cpu)
 
 
-@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window"])
+@pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window", "images"])
 def test_interpreted(kernel: str) -> None:
     env = os.environ | {"TRITON_INTERPRET": "1"}
     proc = subprocess.run(
@@ -289,6 +319,25 @@ def test_sliding_window_gpu(step: str, window: int, num_splits: int | None) -> N
     lens = PREFILL_GPU if step == "prefill" else DECODE_GPU
     check_attention(
         "block_major", 16, 4, 128, **lens, **bf16_gpu, num_splits=num_splits, sliding_window=window
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 16, 4096])
+@pytest.mark.parametrize("group", [1, 4])
+def test_image_blocks_gpu(window: int | None, group: int) -> None:
+    """Images whose tokens see each other (Gemma 3's prefill): one begun in the cached
+    prefix, runs across query tiles, longer and shorter than the window."""
+    check_attention(
+        "block_major",
+        16,
+        group,
+        128,
+        context_lens=[300, 40, 700],
+        q_lens=[300, 40, 450],
+        images=[[(5, 256)], [], [(200, 64), (300, 256), (690, 9)]],
+        **bf16_gpu,
+        sliding_window=window,
     )
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from extkv import LLM, SamplingParams
-from extkv.demo import IMAGE_TOKEN, make_random_llava
+from extkv.demo import IMAGE_TOKEN, make_random_gemma3, make_random_llava
 from live_server import ENGINE, MODEL, Server, running
 from test_multimodal import image, png_data_url
 
@@ -157,6 +157,41 @@ def test_tokenize_counts_the_image_positions(vlm_server: Server, vlm_reference: 
     )
     assert response.status_code == 200, response.text
     assert response.json()["tokens"] == want.prompt_token_ids
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_gemma3(tmp_path_factory.mktemp("gemma3_vl"))
+
+
+@pytest.fixture(scope="module")
+def gemma3_server(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("logs")
+    with running(Server(gemma3, logs / "gemma3.log")) as (server,):
+        yield server
+
+
+def test_gemma3_chat_with_images_equals_llm_chat(gemma3_server: Server, gemma3: Path) -> None:
+    """Gemma 3 through its chat template (`<start_of_image>` per image part, expanded as
+    its processor does): the tokens of LLM.chat; a `<start_of_image>` typed without an
+    image a 400."""
+    messages = user(
+        {"type": "text", "text": "Describe"},
+        image_part(png_data_url(image(1))),
+        {"type": "text", "text": "then"},
+        image_part(png_data_url(image(2))),
+    )
+    reference = LLM(gemma3, device="cpu", **ENGINE)
+    [want] = reference.chat(messages, SamplingParams(**GREEDY), use_tqdm=False)
+    response = chat(gemma3_server, messages)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["token_ids"] == want.outputs[0].token_ids
+    assert choice["prompt_token_ids"] == want.prompt_token_ids
+    typed = chat(gemma3_server, user({"type": "text", "text": "see <start_of_image>"}))
+    assert typed.status_code == 400
+    assert "1 image placeholder token(s)" in typed.json()["error"]["message"]
+    assert gemma3_server.wait_idle()["extkv_kv_cache_blocks_used"] == 0
 
 
 def test_a_text_model_refuses_image_parts(server: Server) -> None:

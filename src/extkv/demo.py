@@ -133,8 +133,12 @@ _TINY_TEXT: dict[str, object] = dict(
 )
 
 
-def train_tokenizer(vocab_size: int = 384):  # -> PreTrainedTokenizerFast
-    """A byte-level BPE tokenizer trained on a few sentences: small, real, offline."""
+def train_tokenizer(
+    vocab_size: int = 384, extra_texts: tuple[str, ...] = (), **named_tokens: str
+):  # -> PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained on a few sentences (and `extra_texts`, newlines
+    kept): small, real, offline. `named_tokens` (e.g. boi_token="<start_of_image>") are
+    special tokens the tokenizer also has by name, as a model's processor looks them up."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -146,9 +150,13 @@ def train_tokenizer(vocab_size: int = 384):  # -> PreTrainedTokenizerFast
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4 + list(extra_texts), trainer=trainer)
+    tokenizer.add_special_tokens(list(named_tokens.values()))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=named_tokens or None,
     )
 
 
@@ -298,6 +306,161 @@ def make_random_llava(
         vision_feature_select_strategy=strategy,
         num_additional_image_tokens=1 if vision == "clip" else 0,
         chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
+    return folder
+
+
+# Gemma 3's tokens around an image, and its chat template (turn markers; a message's
+# content either a string or a list of parts, an image part written `<start_of_image>`).
+GEMMA3_IMAGE_TOKENS = dict(
+    boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>"
+)
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# Newline runs in the tiny tokenizer's corpus, so that it has "\n\n"-style tokens as
+# Gemma's has: an image's newlines then merge with a prompt's, as in Gemma's processor.
+_NEWLINES = "one\ntwo\n\nthree\n\n\nfour\n\n\n\nfive"
+# The shape of Gemma 3 4B (SigLIP at 896 pixels in 14-pixel patches, pooled to 256 image
+# tokens; 34 text layers, five local (window 1024) to one global), for GPU benchmarks
+# (random weights, no download).
+GEMMA3_4B_SHAPE = dict(
+    vision=dict(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+    ),
+    text=dict(
+        vocab_size=262208,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+    ),
+    mm_tokens_per_image=256,
+)
+
+
+def make_random_gemma3(
+    folder: str | os.PathLike,
+    *,
+    mm_tokens_per_image: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    vision_overrides: dict[str, object] | None = None,
+    text_overrides: dict[str, object] | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Write a random Gemma3ForConditionalGeneration checkpoint (a SigLIP tower, Gemma 3's
+    projector, a Gemma 3 text model of local and global layers) and its processor: the
+    Gemma 3 image processor and a tokenizer with Gemma's image and turn tokens and
+    GEMMA3_CHAT_TEMPLATE. Tiny by default (28-pixel images in 7-pixel patches pooled to
+    `mm_tokens_per_image` tokens; a window of 12); GEMMA3_4B_SHAPE's parts through the
+    overrides make it large (a text model's `layer_types` pattern is repeated over its
+    layers; `device` "cuda" then builds it fast)."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(
+        extra_texts=(_NEWLINES,) * 50,
+        start_of_turn="<start_of_turn>",
+        end_of_turn="<end_of_turn>",
+        **GEMMA3_IMAGE_TOKENS,
+    )
+    tokenizer.add_special_tokens({"bos_token": "<bos>"})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    vision_config = transformers.SiglipVisionConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 28,
+            "patch_size": 7,
+            "vision_use_head": False,
+            **(vision_overrides or {}),
+        }
+    )
+    _, _, text_defaults = _ARCHITECTURES["gemma3"]
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "eos_token_id": 0,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": 0,
+        "initializer_range": 0.3,  # see make_random_checkpoint
+        "tie_word_embeddings": False,  # a head of its own: tokens wander more
+        **text_defaults,
+        **(text_overrides or {}),
+    }
+    pattern = text["layer_types"]
+    text["layer_types"] = [pattern[i % len(pattern)] for i in range(text["num_hidden_layers"])]
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in GEMMA3_IMAGE_TOKENS.items()}
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**text),
+        vision_config=vision_config,
+        mm_tokens_per_image=mm_tokens_per_image,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        initializer_range=text["initializer_range"],  # the whole model's
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.Gemma3ForConditionalGeneration(config).to(dtype).eval()
+        # transformers starts the projection at zero, which would make every image alike.
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        torch.nn.init.normal_(projection, std=config.initializer_range)
+    model.save_pretrained(folder)
+    size = vision_config.image_size
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": size, "width": size}),
+        tokenizer=tokenizer,
+        image_seq_length=mm_tokens_per_image,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
     )
     processor.save_pretrained(folder)
     return folder

@@ -25,6 +25,10 @@ class AttentionMetadata:
     where `q_len(s) = cu_seqlens_q[s + 1] - cu_seqlens_q[s]`: the new tokens
     are the tail of the sequence's context, which may start with a cached
     prefix (chunked prefill, prefix caching).
+
+    `key_bounds` (a prefill with images whose tokens attend to each other, Gemma 3):
+    the last key position each new token sees, its own or its image's last (a sliding
+    window still counts back from its own); None: its own (causal).
     """
 
     is_prefill: bool
@@ -34,6 +38,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq), -1 padded
     max_seqlen_q: int
     max_context_len: int
+    key_bounds: torch.Tensor | None = None  # int32 (num_tokens,)
 
     @property
     def num_seqs(self) -> int:

@@ -9,7 +9,9 @@ prompt's later chunks) is, on the CPU, two flash calls merged by their log-sum-e
 every query against the whole prefix, and the new tokens among themselves under
 the causal mask the kernel skips blocks of; elsewhere (the GPU kernels' oracle) it
 goes `QUERY_CHUNK` queries at a time under a (chunk, context) mask. Either way its
-memory grows linearly with its length, not with its square.
+memory grows linearly with its length, not with its square. A prompt with images whose
+tokens see each other (key bounds: Gemma 3) takes the masked path, its mask reaching
+to each query's bound.
 """
 
 from __future__ import annotations
@@ -157,10 +159,12 @@ def masked_chunk_attention(
     scale: float,
     chunk: int = QUERY_CHUNK,
     sliding_window: int | None = None,
+    key_bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_attention` on any device, `chunk` queries at a time, each against the keys
     its queries see under a mask: memory O(chunk x S), O(chunk x (chunk + W)) with a
-    sliding window W."""
+    sliding window W. `key_bounds` (L,): the last key (an index into k) each query sees,
+    where it is not the query's own (image tokens that see their whole image)."""
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of queries; got {chunk}")
     q_len, kv_len = q.shape[0], k.shape[0]
@@ -171,10 +175,11 @@ def masked_chunk_attention(
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         first = max(0, offset + start - window + 1)  # the first key the chunk's first query sees
-        last = offset + end  # past the last key its last query sees
+        query_pos = torch.arange(offset + start, offset + end, device=q.device)[:, None]
+        bound = query_pos if key_bounds is None else key_bounds[start:end, None].to(q.device)
+        last = int(bound.max()) + 1  # past the last key a query of the chunk sees
         key_pos = torch.arange(first, last, device=q.device)
-        query_pos = torch.arange(offset + start, last, device=q.device)[:, None]
-        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        mask = (key_pos <= bound) & (key_pos > query_pos - window)
         out[:, :, start:end] = F.scaled_dot_product_attention(
             q[:, :, start:end],
             k[:, :, first:last],
@@ -196,9 +201,9 @@ def paged_attention_reference(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query (T, Hq, D) against each sequence's cached context (its last `sliding_window`
-    tokens per query, with a window); returns (T, Hq, D). `new_kv`: the step's key and
-    value rows (T, Hkv, D) as written to the cache, where the caller has them: a prefill
-    then reads back only the cached prefixes."""
+    tokens per query, with a window; up to `metadata.key_bounds` where given); returns
+    (T, Hq, D). `new_kv`: the step's key and value rows (T, Hkv, D) as written to the
+    cache, where the caller has them: a prefill then reads back only the cached prefixes."""
     if metadata.max_seqlen_q == 1:
         return _decode(query, k_cache, v_cache, metadata, scale, sliding_window)
     cu = metadata.cu_seqlens_q.tolist()
@@ -207,13 +212,34 @@ def paged_attention_reference(
         rows = slice(cu[s], cu[s + 1])
         new = None if new_kv is None else (new_kv[0][rows], new_kv[1][rows])
         table = metadata.block_tables[s]
+        bounds = _image_bounds(metadata.key_bounds, rows, context_len)
         outs.append(
             _prefill_one(
-                query[rows], k_cache, v_cache, table, context_len, scale, sliding_window, new
+                query[rows],
+                k_cache,
+                v_cache,
+                table,
+                context_len,
+                scale,
+                sliding_window,
+                new,
+                bounds,
             )
         )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(query.dtype).contiguous()
+
+
+def _image_bounds(
+    key_bounds: torch.Tensor | None, rows: slice, context_len: int
+) -> torch.Tensor | None:
+    """One sequence's key bounds where some token's reaches past itself (an image whose
+    tokens see each other); None where all are causal."""
+    if key_bounds is None:
+        return None
+    bounds = key_bounds[rows].long()
+    own = torch.arange(context_len - len(bounds), context_len, device=bounds.device)
+    return bounds if bool((bounds != own).any()) else None
 
 
 def _prefill_one(
@@ -225,9 +251,11 @@ def _prefill_one(
     scale: float,
     sliding_window: int | None,
     new: tuple[torch.Tensor, torch.Tensor] | None,
+    key_bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's new tokens q (L, Hq, D) against its context: from the cache, or its
-    cached prefix from the cache and the rest from `new` (its own K/V rows)."""
+    cached prefix from the cache and the rest from `new` (its own K/V rows); queries with
+    `key_bounds` (positions) under the mask they make."""
     # From the block of the first key the first query sees: the blocks before it, out of
     # every window, may be freed. Positions are relative, so the window is too.
     seen = 0 if sliding_window is None else context_len - len(q) - sliding_window + 1
@@ -235,6 +263,13 @@ def _prefill_one(
     cached = context_len if new is None else context_len - len(q)
     k = gather_context(k_cache, block_table, cached, first_block)
     v = gather_context(v_cache, block_table, cached, first_block)
+    if key_bounds is not None:
+        if new is not None:
+            k, v = torch.cat((k, new[0])), torch.cat((v, new[1]))
+        bounds = key_bounds - first_block * k_cache.shape[1]
+        return masked_chunk_attention(
+            q, k, v, scale, sliding_window=sliding_window, key_bounds=bounds
+        )
     if new is None:
         return causal_attention(q, k, v, scale, sliding_window)
     return prompt_attention(q, k, v, *new, scale, sliding_window)

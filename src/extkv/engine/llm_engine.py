@@ -100,6 +100,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=frozenset(facts.eos_token_ids),
             encoder_cache=encoder_cache,
+            whole_images=spec is not None and spec.bidirectional,
         )
         self.elastic = ElasticMemory(
             config, self.runner, self.kv_cache, self.scheduler, self._ranks
@@ -244,12 +245,12 @@ class LLMEngine:
 
     @property
     def image_placeholder(self) -> str | None:
-        """The text of the model's image placeholder token (e.g. "<image>"); None for a
-        model without images (or without a tokenizer)."""
+        """The text of the model's image placeholder token (e.g. "<image>",
+        "<start_of_image>"); None for a model without images (or without a tokenizer)."""
         spec = self.runner.image_spec
         if spec is None or self.tokenizer is None:
             return None
-        return self.tokenizer.convert_ids_to_tokens(spec.token_id)
+        return self.tokenizer.convert_ids_to_tokens(spec.placeholder_id)
 
     def process_multimodal(
         self, prompt_token_ids: list[int], multi_modal_data: Mapping[str, Any] | None
@@ -324,8 +325,8 @@ class LLMEngine:
         return request_id
 
     def _check_images(self, ids: list[int], images: tuple[ImageInput, ...]) -> None:
-        """Images must fill runs of placeholders in the prompt, in order, and every
-        placeholder must belong to one (else its embedding would be the token's own)."""
+        """Images must fill runs of image tokens in the prompt, in order, and every image
+        token must belong to one (else its embedding would be the token's own)."""
         spec = self.runner.image_spec
         if spec is None:
             if images:
@@ -340,14 +341,14 @@ class LLMEngine:
             if ids[image.offset : image.end] != [spec.token_id] * image.length:
                 raise ValueError(
                     f"images: positions {image.offset} to {image.end - 1} of the prompt are "
-                    f"not all image placeholder tokens (id {spec.token_id})"
+                    f"not all image tokens (id {spec.token_id})"
                 )
             covered = image.end
         if ids.count(spec.token_id) != sum(image.length for image in images):
             raise ValueError(
-                f"the prompt has {ids.count(spec.token_id)} image placeholder tokens (id "
-                f"{spec.token_id}), and its images fill {sum(i.length for i in images)}: pass "
-                "the prompt with its multi_modal_data (one placeholder per image)"
+                f"the prompt has {ids.count(spec.token_id)} image tokens (id {spec.token_id}), "
+                f"and its images fill {sum(i.length for i in images)}: pass the prompt with its "
+                "multi_modal_data (one placeholder per image)"
             )
 
     def abort_request(self, request_id: str) -> None:

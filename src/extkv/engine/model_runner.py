@@ -17,8 +17,9 @@ next step meanwhile.
 
 A vision-language model's runner also holds the encoder cache's tensors: each prefill
 step drops the entries its plan evicts, encodes its new images in one batch, and runs
-the model on embeddings where its tokens are image placeholders. Decode steps (and
-their graphs) never see an image.
+the model on embeddings where its tokens are image tokens (for Gemma 3 with each image's
+tokens seeing the whole image: key bounds). Decode steps (and their graphs) never see an
+image.
 """
 
 from __future__ import annotations
@@ -140,6 +141,15 @@ class ModelRunner:
             for name in group.layer_names:
                 self.attention_layers[name].kv_group = index
         self.image_spec = getattr(model, "image_spec", None)  # None: a model without images
+        # An image's tokens see each other (Gemma 3): a prefill step computes it whole.
+        self.whole_images = self.image_spec is not None and self.image_spec.bidirectional
+        if self.whole_images and config.max_num_batched_tokens < self.image_spec.num_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below the "
+                f"{self.image_spec.num_tokens} tokens of one image, which this model's "
+                "prefill computes in one step (its image tokens attend to each other): raise "
+                "max_num_batched_tokens (--max-num-batched-tokens)"
+            )
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache, by image hash
         for index, group in enumerate(kv_plan.state_groups):
             for name in group.layer_names:
@@ -408,10 +418,14 @@ class ModelRunner:
         shape = StepShape(inputs.num_tokens, n, inputs.width)
         self.buffers.stage(inputs, shape)
         views = self.buffers.views(shape, len(inputs.sample_rows))
+        key_bounds = None
+        if inputs.key_bounds is not None:
+            key_bounds = torch.from_numpy(inputs.key_bounds).to(self.device)
         context = views.context(
             inputs.is_prefill,
             int((inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).max()),
             int(inputs.seqs[0].max()),
+            key_bounds,
         )
         hidden = self._hidden(context, views, inputs.image_rows)
         result = StepLogits()
@@ -432,7 +446,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         last_rows = self._last_rows
-        inputs = build_step_inputs(plan, self.kv_plan, last_rows)
+        inputs = build_step_inputs(plan, self.kv_plan, last_rows, self.whole_images)
         if not self.buffers.fits(StepShape(inputs.num_tokens, inputs.num_seqs, 0)):
             raise ValueError(
                 f"a step of {inputs.num_tokens} tokens over {inputs.num_seqs} sequences exceeds "

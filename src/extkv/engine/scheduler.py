@@ -24,6 +24,10 @@ image's placeholder run needs the image's embeddings, held in the encoder cache 
 computed in the step. Where the cache has no room for them (or the step's encoder budget
 is spent), the chunk stops before that image; a request whose chunk would then be empty
 is not admitted yet. A request holds its images until it has prefilled past their runs.
+For a model whose image tokens attend to each other (`whole_images`: Gemma 3), a chunk also
+never ends inside an image's run: it stops before an image it cannot hold whole (a prefix
+cache hit may still end inside one: the tokens before it were computed with the whole
+image).
 
 Between steps the block pool can be resized (`resize`): to shrink it, the most
 recently admitted sequences holding blocks past the new end are preempted until
@@ -61,9 +65,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         encoder_cache: EncoderCacheManager | None = None,
+        whole_images: bool = False,
     ) -> None:
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache  # None: a model without images
+        self.whole_images = whole_images  # a chunk never ends inside an image's run
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -213,7 +219,8 @@ class Scheduler:
     def _image_chunk(self, seq: Sequence, start: int, num_tokens: int) -> int:
         """`num_tokens` from `start`, or fewer: up to the first image in them whose
         embeddings the encoder cache cannot take now, with the images before it (its room
-        or this step's encoder budget is short)."""
+        or this step's encoder budget is short), or, with `whole_images`, whose run they
+        end inside."""
         cache = self.encoder_cache
         if cache is None or not seq.images:
             return num_tokens
@@ -231,6 +238,8 @@ class Scheduler:
                 new.add(image.hash)
                 new_tokens += image.length
             if new_tokens > self._encode_budget or not cache.can_allocate(new_tokens, acquiring):
+                return max(image.offset - start, 0)
+            if self.whole_images and image.end > start + num_tokens:
                 return max(image.offset - start, 0)
         return num_tokens
 

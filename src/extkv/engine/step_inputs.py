@@ -59,7 +59,9 @@ class StepInputs:
 
     Images (prefill only): the encoder cache drops the entries `evicted_encoder_hashes`,
     then encodes `encoder_inputs` ((hash, pixels) each); `image_rows` says which token
-    rows take which embeddings: (hash, first embedding, first row, count)."""
+    rows take which embeddings: (hash, first embedding, first row, count). Where an
+    image's tokens see each other (Gemma 3), `key_bounds` has each token's last visible
+    key position (its own, or its image's last; see AttentionMetadata)."""
 
     is_prefill: bool
     tokens: np.ndarray  # (3 + num_attention_groups, num_tokens)
@@ -71,6 +73,7 @@ class StepInputs:
     encoder_inputs: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     evicted_encoder_hashes: list[str] = field(default_factory=list)
     image_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    key_bounds: np.ndarray | None = None  # int32 (num_tokens,)
 
     @property
     def num_tokens(self) -> int:
@@ -89,11 +92,12 @@ class StepInputs:
 
 
 def build_step_inputs(
-    plan: StepPlan, kv_plan: KVCachePlan, last_rows: dict[str, int]
+    plan: StepPlan, kv_plan: KVCachePlan, last_rows: dict[str, int], whole_images: bool = False
 ) -> StepInputs:
     """The host arrays of `plan`; `last_rows` says where each request's pending token is
-    among the tokens the previous step sampled. It runs every step for every request,
-    so the per-request work is kept to one pass of builtins each; the rest is numpy."""
+    among the tokens the previous step sampled; `whole_images`: an image's tokens see
+    each other (key bounds). It runs every step for every request, so the per-request
+    work is kept to one pass of builtins each; the rest is numpy."""
     requests = plan.requests
     num_seqs = len(requests)
     counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
@@ -156,7 +160,23 @@ def build_step_inputs(
         encoder_inputs=[(image.hash, image.pixel_values) for image in plan.encoder_inputs],
         evicted_encoder_hashes=plan.evicted_encoder_hashes,
         image_rows=image_rows,
+        key_bounds=_key_bounds(plan, cu_seqlens, positions) if whole_images else None,
     )
+
+
+def _key_bounds(plan: StepPlan, cu_seqlens: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+    """Each token's last visible key position: its image's last one for the tokens of an
+    image (the scheduler keeps an image's run in one step), its own for the others; None
+    for a step without image tokens."""
+    bounds = None
+    for i, r in enumerate(plan.requests if plan.is_prefill else ()):
+        for image in r.images:
+            lo = max(image.offset, r.num_computed_tokens)
+            row = int(cu_seqlens[i]) + lo - r.num_computed_tokens
+            if bounds is None:
+                bounds = positions.astype(np.int32)
+            bounds[row : row + min(image.end, r.context_len) - lo] = image.end - 1
+    return bounds
 
 
 @dataclass
@@ -174,9 +194,16 @@ class StepViews:
     sample_rows: torch.Tensor
     block_tables: torch.Tensor  # (num_attention_groups, num_seqs, width)
 
-    def context(self, is_prefill: bool, max_seqlen_q: int, max_context_len: int) -> ForwardContext:
+    def context(
+        self,
+        is_prefill: bool,
+        max_seqlen_q: int,
+        max_context_len: int,
+        key_bounds: torch.Tensor | None = None,
+    ) -> ForwardContext:
         """The step's forward context over these views: attention metadata per attention
-        group (their slots and tables; the rest shared), a Mamba part with state groups."""
+        group (their slots and tables; the rest shared, `key_bounds` too), a Mamba part
+        with state groups."""
         attention = tuple(
             AttentionMetadata(
                 is_prefill=is_prefill,
@@ -186,6 +213,7 @@ class StepViews:
                 block_tables=tables,
                 max_seqlen_q=max_seqlen_q,
                 max_context_len=max_context_len,
+                key_bounds=key_bounds,
             )
             for slots, tables in zip(self.slot_mappings, self.block_tables, strict=True)
         )

@@ -42,6 +42,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     context_lens_ptr,
     cu_seqlens_q_ptr,
+    key_bounds_ptr,
     qk_scale,
     window,
     num_q_heads,
@@ -69,13 +70,17 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UNMASKED_FIRST: tl.constexpr,
+    KEY_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
     UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
     sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
-    which measured faster there (two pipelined loops cost ~15% at batch 256)."""
+    which measured faster there (two pipelined loops cost ~15% at batch 256).
+    KEY_BOUNDS (a prefill with images whose tokens see each other): each query sees the
+    keys up to its entry of `key_bounds` rather than its own position; the masked
+    tiles then reach to the tile's furthest bound."""
     wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
     q_tile = tl.program_id(0) // NUM_SPLITS
@@ -94,6 +99,9 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_P2
     row_ok = (token < q_len) & (rows % GROUP_P2 < GROUP)
     q_pos = context_len - q_len + token  # position in the context, for the causal mask
+    q_last = q_pos  # the last key position each row sees
+    if KEY_BOUNDS:
+        q_last = tl.load(key_bounds_ptr + q_start + token, mask=row_ok, other=0)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
     io_mask = row_ok[:, None] & dim_ok[None, :]
@@ -103,6 +111,8 @@ def _paged_attention_kernel(
     # This program's keys: its split's share of the context the tile's queries see (the
     # causal end; the window's start, `window` being the context's bound without one).
     kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
+    if KEY_BOUNDS:
+        kv_end = tl.minimum(context_len, tl.maximum(kv_end, tl.max(q_last, 0) + 1))
     kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
     per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = kv_begin + split * per_split
@@ -123,7 +133,7 @@ def _paged_attention_kernel(
         hi = kv_masked_start if phase == 0 else kv_hi
         for start in range(lo, hi, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
-                q, q_pos, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+                q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
                 k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
@@ -147,6 +157,7 @@ def _paged_attention_kernel(
 def _attend_tile(
     q,
     q_pos,
+    q_last,
     start,
     kv_hi,
     window,
@@ -174,8 +185,8 @@ def _attend_tile(
     MASKED: tl.constexpr,
 ):
     """One online-softmax step over the BLOCK_N keys from `start`, gathered through the
-    sequence's block table row; MASKED applies the causal/window mask and the end of
-    the range, which tiles wholly visible to every row do without."""
+    sequence's block table row; MASKED applies the causal (up to `q_last`) and window
+    mask and the end of the range, which tiles wholly visible to every row do without."""
     kv_pos = start + tl.arange(0, BLOCK_N)
     kv_ok = kv_pos < kv_hi
     page = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
@@ -185,7 +196,7 @@ def _attend_tile(
     k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        visible = (kv_pos[None, :] <= q_last[:, None]) & kv_ok[None, :]
         visible &= kv_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(s, 1))
@@ -325,7 +336,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides; with
     `sliding_window` W each query sees the keys of its last W positions only (the blocks
-    before them are never read, so they may be freed).
+    before them are never read, so they may be freed); a prefill with
+    `metadata.key_bounds` sees up to those positions (images seen whole).
 
     `out` (T, Hq, D) is written if given; `num_splits` (a power of two) overrides
     the decode split count and `tiles` the launch shape (benchmarks/bench_attention.py
@@ -337,6 +349,7 @@ def paged_attention(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
+    key_bounds = metadata.key_bounds if metadata.is_prefill else None
     num_seqs, table_width = metadata.block_tables.shape
     assert metadata.block_tables.stride(1) == 1, "block table rows must be contiguous"
     if metadata.is_prefill:
@@ -368,6 +381,7 @@ def paged_attention(
         metadata.block_tables,
         metadata.context_lens,
         metadata.cu_seqlens_q,
+        metadata.context_lens if key_bounds is None else key_bounds,  # unread without
         scale * _LOG2E,
         sliding_window or NO_WINDOW,
         num_q_heads,
@@ -385,6 +399,7 @@ def paged_attention(
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
         UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
+        KEY_BOUNDS=key_bounds is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -20,8 +20,7 @@ from transformers import PretrainedConfig
 
 from extkv.models.hf_config import head_dim, rope_parameters
 from extkv.models.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding
-from extkv.models.llama import CausalLM, DecoderAttention
-from extkv.models.parallel import VocabParallelEmbedding
+from extkv.models.llama import CausalLM, DecoderAttention, DecoderModel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -81,16 +80,12 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(hidden)[0], residual
 
 
-class Gemma3Model(nn.Module):
-    """Scaled embedding, the layers (each with its layer type's rotary table), final norm."""
+class Gemma3Model(DecoderModel):
+    """The decoder stack with Gemma's norms and scaled embedding, each layer rotating by
+    its layer type's table."""
 
     def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = math.sqrt(config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t) for t in config.layer_types)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = nn.ModuleDict(
+        tables = nn.ModuleDict(
             {
                 layer_type: RotaryEmbedding(
                     head_dim(config),
@@ -100,27 +95,16 @@ class Gemma3Model(nn.Module):
                 for layer_type in sorted(set(config.layer_types))
             }
         )
+        super().__init__(
+            config,
+            lambda i: Gemma3DecoderLayer(config, config.layer_types[i]),
+            norm=GemmaRMSNorm,
+            embed_scale=math.sqrt(config.hidden_size),
+            rotary=tables,
+        )
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) -> the tokens' scaled input embeddings (T, hidden_size)."""
-        hidden = self.embed_tokens(input_ids)
-        # As HF: the scale rounded to the weights' dtype, then one multiply.
-        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, hidden_size);
-        `inputs_embeds` (T, hidden_size) in place of the ids' scaled embeddings."""
-        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            table = self.rotary[layer.layer_type].cos_sin_cache
-            hidden, residual = layer(hidden, residual, positions, table)
-        return self.norm(hidden, residual)[0]
+    def cos_sin_cache(self, layer: nn.Module) -> torch.Tensor:
+        return self.rotary_emb[layer.layer_type].cos_sin_cache
 
 
 class Gemma3ForCausalLM(CausalLM):

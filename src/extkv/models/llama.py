@@ -127,22 +127,45 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, the decoder layers and the final norm, one rotary table shared by all layers;
-    `make_layer(i)` builds layer i. The table rotates `head_dim` channels (DeepSeek configs
-    set it to their rotary part, qk_rope_head_dim)."""
+    """Embedding, the decoder layers and the final norm; `make_layer(i)` builds layer i.
 
-    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int], nn.Module]) -> None:
+    One rotary table is shared by all layers (`cos_sin_cache` says which table a layer
+    rotates by; Gemma 3 has one per layer type); it rotates `head_dim` channels (DeepSeek
+    configs set it to their rotary part, qk_rope_head_dim). `norm` is the norms' kind and
+    `embed_scale` multiplies the embeddings (both Gemma's). The one place that takes a
+    step's embeddings in place of its token ids' (`inputs_embeds`: images)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        make_layer: Callable[[int], nn.Module],
+        norm: type[RMSNorm] = RMSNorm,
+        embed_scale: float | None = None,
+        rotary: nn.Module | None = None,
+    ) -> None:
+        """`rotary`: the tables `cos_sin_cache` picks from (None: one of the config's)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = embed_scale
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            head_dim(config), config.max_position_embeddings, rope_parameters(config)
-        )
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
+        if rotary is None:
+            rotary = RotaryEmbedding(
+                head_dim(config), config.max_position_embeddings, rope_parameters(config)
+            )
+        self.rotary_emb = rotary
+
+    def cos_sin_cache(self, layer: nn.Module) -> torch.Tensor:
+        """The rotary table `layer` rotates by."""
+        return self.rotary_emb.cos_sin_cache
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) -> the tokens' input embeddings (T, hidden_size)."""
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return hidden
+        # As HF: the scale rounded to the weights' dtype, then one multiply.
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
 
     def forward(
         self,
@@ -155,7 +178,7 @@ class DecoderModel(nn.Module):
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.rotary_emb.cos_sin_cache)
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache(layer))
         return self.norm(hidden, residual)[0]
 
 

@@ -29,6 +29,7 @@ from extkv.distributed import SINGLE, TPGroup, use_group
 from extkv.models.bamba import BambaForCausalLM
 from extkv.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from extkv.models.gemma3 import Gemma3ForCausalLM
+from extkv.models.gemma3_mm import Gemma3ForConditionalGeneration
 from extkv.models.gguf import gguf_tensors
 from extkv.models.hf_config import ModelSource, resolve_model
 from extkv.models.layers import default_weight_loader
@@ -42,6 +43,7 @@ from extkv.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -56,6 +58,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 _BY_MODEL_TYPE = {
     "bamba": "BambaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",

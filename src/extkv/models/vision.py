@@ -3,9 +3,10 @@
 An image is cut into patches, each patch embedded, a position added (CLIP also prepends
 a class token and norms the sequence first), then pre-norm transformer layers with
 bidirectional attention over the image's tokens. A vision-language model reads the
-hidden states of some layer (LLaVA: the second to last), so only the layers up to the
-deepest one read are built; the checkpoint's later layers are skipped when loading.
-Module names mirror the Hugging Face checkpoints'.
+hidden states of some layer (LLaVA: the second to last; Gemma 3: the last, after the
+tower's final norm), so only the layers up to the deepest one read are built; the
+checkpoint's later layers are skipped when loading. Module names mirror the Hugging Face
+checkpoints'.
 """
 
 from __future__ import annotations
@@ -137,9 +138,13 @@ class VisionTransformer(nn.Module):
     """CLIP's or SigLIP's vision tower, built up to the deepest hidden state read.
 
     `feature_layers` are Hugging Face's `hidden_states` indices (negative from the end);
-    `forward` returns those hidden states concatenated along the features."""
+    `forward` returns those hidden states concatenated along the features. With
+    `post_layernorm` it returns the tower's output instead: the last layer's states
+    through its final norm (SigLIP's `last_hidden_state`)."""
 
-    def __init__(self, config: PretrainedConfig, feature_layers: list[int]) -> None:
+    def __init__(
+        self, config: PretrainedConfig, feature_layers: list[int], post_layernorm: bool = False
+    ) -> None:
         super().__init__()
         if config.model_type not in (CLIP, SIGLIP):
             raise ValueError(
@@ -154,11 +159,21 @@ class VisionTransformer(nn.Module):
             nn.LayerNorm(config.hidden_size, config.layer_norm_eps) if clip else None
         )
         self.encoder = VisionEncoder(config, max(self.feature_indices))
+        self.post_layernorm = None
+        if post_layernorm:
+            if self.feature_indices != [layers]:
+                raise ValueError(
+                    f"the vision tower's final norm follows its last layer; the feature layers "
+                    f"{feature_layers} read others"
+                )
+            self.post_layernorm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def ignores_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor `name` (relative to this tower) is one of what the
-        tower leaves out: later layers, the final norm, SigLIP's pooling head."""
-        if name.startswith(("post_layernorm.", "head.")):
+        tower leaves out: later layers, the final norm unless read, SigLIP's pooling head."""
+        if name.startswith("head.") or (
+            name.startswith("post_layernorm.") and self.post_layernorm is None
+        ):
             return True
         prefix = "encoder.layers."
         if name.startswith(prefix):
@@ -175,4 +190,7 @@ class VisionTransformer(nn.Module):
             x = layer(x)
             if index in self.feature_indices:
                 kept[index] = x
-        return torch.cat([kept[i] for i in self.feature_indices], dim=-1)
+        features = torch.cat([kept[i] for i in self.feature_indices], dim=-1)
+        if self.post_layernorm is not None:
+            features = self.post_layernorm(features)
+        return features
