@@ -364,6 +364,34 @@ def hf_greedy(
     return outputs
 
 
+def hf_greedy_with_images(
+    path: Path, prompts: list[tuple[str, list]], max_new_tokens: int, causal: bool = False
+) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers' prompt ids and greedy continuation (fp32) of each (text, images) prompt,
+    by the model class the checkpoint names; `causal`: without token_type_ids, so that
+    Gemma 3's image tokens only look back."""
+    architecture = transformers.AutoConfig.from_pretrained(path).architectures[0]
+    model = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    ids, outputs = [], []
+    for text, images in prompts:
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        if causal:
+            inputs.pop("token_type_ids")
+        out = model.eval().generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ids.append(inputs["input_ids"][0].tolist())
+        outputs.append(out[0, len(ids[-1]) :].tolist())
+    return ids, outputs
+
+
+def multimodal_prompts(prompts: list[tuple[str, list]]) -> list[dict]:
+    """(text, images) prompts as `LLM.generate` takes them."""
+    return [
+        {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+        for text, images in prompts
+    ]
+
+
 def assert_follows_transformers_in_bf16(
     path: Path, prompts: list[list[int]], tokens: list[list[int]], tolerance: float = 0.03
 ) -> None:
