@@ -1,11 +1,13 @@
 """Mixture-of-experts models (Qwen3-MoE; DeepSeek V2/V3's routed and shared experts) on the
 CPU in fp32: extkv equals transformers (logits, greedy tokens), legacy equals extensible,
-the checkpoint's per-expert tensors fill the stacked experts or fail naming the tensor,
+the checkpoint's per-expert tensors (or transformers 5's stacked ones) fill the stacked
+experts or fail naming the tensor,
 and configs extkv cannot run are refused naming the field. On CUDA the decode graphs
 capture the fused expert kernels and give eager's and the CPU's tokens."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,22 @@ def test_load_weights_fills_the_stacked_experts(moe_model: Path, tmp_path: Path)
     assert extkv_tokens(llm, PROMPTS, GREEDY_16) != expected
     llm.load_weights(load_file(other / "model.safetensors").items())
     assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
+    # transformers 5 holds the experts stacked (experts.gate_up_proj, experts.down_proj):
+    # its state_dict() fills them whole, and so does a checkpoint saved that way.
+    llm.load_weights(load_file(moe_model / "model.safetensors").items())
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) != expected
+    state = transformers.AutoModelForCausalLM.from_pretrained(other).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    llm.load_weights(state.items())
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
+    stacked = tmp_path / "stacked"
+    shutil.copytree(other, stacked)
+    save_file({k: v.clone() for k, v in state.items()}, stacked / "model.safetensors")
+    assert extkv_tokens(LLM(stacked, **TINY_ENGINE), PROMPTS, GREEDY_16) == expected
+    del state["model.layers.2.mlp.experts.down_proj"]
+    save_file({k: v.clone() for k, v in state.items()}, stacked / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors: model.layers.2.mlp.experts.down_proj$"):
+        load_model(stacked, torch.float32, "cpu")
 
 
 def tiny_config(**overrides: object) -> transformers.Qwen3MoeConfig:

@@ -187,10 +187,11 @@ def _sources(module_name: str, module: nn.Module, param_name: str) -> list[tuple
     if isinstance(module, MergedColumnParallelLinear):
         parent = module_name.rpartition(".")[0]
         return [(_join(parent, part, param_name), part) for part in module.parts]
+    whole = [(_join(module_name, param_name), None)]
     parts = getattr(module, "checkpoint_parts", None)
-    if parts is not None:
-        return [(_join(module_name, part), part) for part in parts(param_name)]
-    return [(_join(module_name, param_name), None)]
+    if parts is not None:  # or whole, as transformers 5 keeps them (its state_dict())
+        return [(_join(module_name, part), part) for part in parts(param_name)] + whole
+    return whole
 
 
 def _slots(model: nn.Module) -> list[_Slot]:
@@ -216,6 +217,29 @@ def _renamer(model: nn.Module):  # -> Callable[[str], str]
     return getattr(model, "checkpoint_name", None) or (lambda name: name)
 
 
+def _missing(unfilled: list[_Slot], chosen: Iterable[_Slot]) -> list[str]:
+    """The names to report missing: a parameter is complete with its whole tensor, or
+    with all its parts; one of which nothing came is missing whole where it can come so
+    (stacked experts), else part by part (a merged linear's)."""
+    whole_given, some_given = set(), set()
+    for slot in chosen:
+        some_given.add(id(slot.param))
+        if slot.part is None:
+            whole_given.add(id(slot.param))
+    can_be_whole = {id(slot.param) for slot in unfilled if slot.part is None}
+    missing = []
+    for slot in unfilled:
+        key = id(slot.param)
+        if key in whole_given:
+            continue
+        if key in some_given:  # some parts came: the others are missing
+            if slot.part is not None:
+                missing.append(slot.names[0])
+        elif slot.part is None or key not in can_be_whole:
+            missing.append(slot.names[0])
+    return missing
+
+
 def _match(
     model: nn.Module, available: set[str], source: str, complete: bool = True
 ) -> dict[str, _Slot]:
@@ -223,15 +247,16 @@ def _match(
     a ValueError names every unexpected tensor and, when the tensors must be `complete`,
     every missing one. `source` says whose names they are ("checkpoint PATH")."""
     chosen: dict[str, _Slot] = {}
-    missing: list[str] = []
+    unfilled: list[_Slot] = []
     known: set[str] = set()
     for slot in _slots(model):
         known.update(slot.names)
         present = [name for name in slot.names if name in available]
         if present:
             chosen[present[0]] = slot  # tied: the first module's name wins, as in HF
-        elif complete:
-            missing.append(slot.names[0])
+        else:
+            unfilled.append(slot)
+    missing = _missing(unfilled, chosen.values()) if complete else []
     ignores = getattr(model, "ignores_tensor", None)  # a model's own extra tensors
     unexpected = [
         n

@@ -4,7 +4,9 @@ CPU, exact against transformers; fused Triton kernels on CUDA, captured in CUDA 
 
 Checkpoints keep each expert's projections as tensors of their own
 (`experts.{e}.gate_proj.weight`, ...): `Experts` names them for the loader, which copies
-each into its expert's slice of the stacked parameters.
+each into its expert's slice of the stacked parameters. transformers 5 stacks them the
+same way in memory (`experts.gate_up_proj`, `experts.down_proj`): a `state_dict()` of its
+model fills them whole (`LLM.load_weights`).
 """
 
 from __future__ import annotations
@@ -128,7 +130,11 @@ class Experts(nn.Module):
         return [f"{e}.{p}.weight" for e in range(self.num_experts) for p in projections]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
-        """Copy checkpoint tensor `part` ("{expert}.{projection}.weight") into its slice."""
+        """Copy checkpoint tensor `part` ("{expert}.{projection}.weight") into its slice,
+        or (`part` None) the whole stacked tensor, laid out as transformers 5 stacks it."""
+        if part is None:
+            copy_weight(param.data, loaded)
+            return
         expert, projection, _ = part.split(".")
         dst = param.data[int(expert)]
         inner = self.intermediate_size
