@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,18 +21,29 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
-    """A random bf16 checkpoint of Qwen3-0.6B's shape, built once (by the parent of a
-    --baseline-src run: extkv.demo is this tree's, which an older one may lack)."""
+def random_checkpoint(
+    folder: str, architecture: str, shape: str | dict[str, object] | None = None, **options
+) -> Path:
+    """A random checkpoint (no tokenizer) of `architecture` in `folder`, built once: bf16
+    in `shape` (the config overrides, or the name of one of extkv.demo's shapes), or
+    demo-sized in fp32 without one; `options` (config fields, `device`) go to
+    make_random_checkpoint too. Built by the parent of a --baseline-src run: extkv.demo is
+    this tree's, which an older one may lack."""
     path = Path(folder)
     if not (path / "config.json").exists():
-        from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+        from extkv import demo
 
-        logger.info("building a random Qwen3-0.6B-shaped checkpoint in %s", path)
-        make_random_checkpoint(
-            path, "qwen3", with_tokenizer=False, dtype=torch.bfloat16, **QWEN3_0_6B_SHAPE
-        )
+        if shape is not None:
+            overrides = getattr(demo, shape) if isinstance(shape, str) else shape
+            options = {"dtype": torch.bfloat16, **overrides, **options}
+            logger.info("building a random bf16 %s checkpoint in %s", architecture, path)
+        demo.make_random_checkpoint(path, architecture, with_tokenizer=False, **options)
     return path
+
+
+def qwen3_0_6b_checkpoint(folder: str = "/tmp/extkv-bench/qwen3-0.6b") -> Path:
+    """A random bf16 checkpoint of Qwen3-0.6B's shape."""
+    return random_checkpoint(folder, "qwen3", "QWEN3_0_6B_SHAPE")
 
 
 SMOLLM2_135M_SHAPE = dict(  # SmolLM2-135M's config (a Llama), for random-weight timing
@@ -48,27 +60,14 @@ SMOLLM2_135M_SHAPE = dict(  # SmolLM2-135M's config (a Llama), for random-weight
 
 
 def smollm2_135m_checkpoint(folder: str = "/tmp/extkv-bench/smollm2-135m-random") -> Path:
-    """A random bf16 checkpoint of SmolLM2-135M's shape (tied embeddings), built once: the
-    real model's step costs without needing its weights."""
-    path = Path(folder)
-    if not (path / "config.json").exists():
-        from extkv.demo import make_random_checkpoint
-
-        logger.info("building a random SmolLM2-135M-shaped checkpoint in %s", path)
-        make_random_checkpoint(
-            path, "llama", with_tokenizer=False, dtype=torch.bfloat16, **SMOLLM2_135M_SHAPE
-        )
-    return path
+    """A random bf16 checkpoint of SmolLM2-135M's shape (tied embeddings): the real model's
+    step costs without needing its weights."""
+    return random_checkpoint(folder, "llama", SMOLLM2_135M_SHAPE)
 
 
 def tiny_checkpoint(architecture: str = "qwen3") -> Path:
     """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
-    path = Path(f"/tmp/extkv-bench/tiny-{architecture}")
-    if not (path / "config.json").exists():
-        from extkv.demo import make_random_checkpoint
-
-        make_random_checkpoint(path, architecture, with_tokenizer=False)
-    return path
+    return random_checkpoint(f"/tmp/extkv-bench/tiny-{architecture}", architecture)
 
 
 def engine_options(smoke: bool) -> dict[str, object]:
@@ -181,6 +180,18 @@ def _throughput(run, batch: int, output_len: int) -> tuple[float, float]:
     t_one, _ = timed(lambda: run(1))
     t_all, _ = timed(lambda: run(output_len))
     return batch * output_len / t_all, batch * (output_len - 1) / (t_all - t_one)
+
+
+@dataclass(frozen=True)
+class DecodeSetting:
+    """The shapes of a decode-throughput run: the real one, or --smoke's (SMOKE_DECODE)."""
+
+    prompt_len: int = 256
+    output_len: int = 128
+    batch_sizes: tuple[int, ...] = (1, 64)
+
+
+SMOKE_DECODE = DecodeSetting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
 
 
 def decode_throughput(llm, batch: int, vocab: int, prompt_len: int, output_len: int):
@@ -358,6 +369,25 @@ def print_texts(name: str, results: dict[str, dict]) -> None:
         print("\n".join(lines))
 
 
-def write_json(path: Path | None, results: dict) -> None:
+def write_json(path: str | Path | None, results: object) -> None:
+    """`results` as JSON into `path` (a --json option's value), where one is given."""
     if path is not None:
-        path.write_text(json.dumps(results, indent=1, default=str))
+        Path(path).write_text(json.dumps(results, indent=1, default=str))
+
+
+def measure_and_report(
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace], Rows],
+    name: str,
+    columns: list[Column],
+    add: Callable[[Rows], None] | None = None,
+) -> None:
+    """A benchmark's `main` after its parser: `measure_trees`, then (not as --child) `add`
+    figures to this tree's rows in this process, print the tables and write --json."""
+    results = measure_trees(args, measure)
+    if results is None:
+        return
+    if add is not None:
+        add(results["after"]["rows"])
+    report(name, results, columns)
+    write_json(args.json, results)

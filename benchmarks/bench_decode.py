@@ -12,13 +12,18 @@ prefill drops out); the roofline is the bytes one decode step must read
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 import torch
 import transformers
 
-from _common import decode_throughput, device_bandwidth, hf_decode_throughput, qwen3_0_6b_checkpoint
+from _common import (
+    decode_throughput,
+    device_bandwidth,
+    hf_decode_throughput,
+    qwen3_0_6b_checkpoint,
+    write_json,
+)
 from extkv import LLM
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
@@ -94,9 +99,7 @@ def main() -> None:
             f"{r['sync_decode_tok_s']:>9.0f} "
             f"{r['extensible_decode_tok_s'] / r['sync_decode_tok_s']:>10.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
+    write_json(args.json, {"bandwidth": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from _common import print_table, qwen3_0_6b_checkpoint, random_prompts, tiny_checkpoint
+from _common import (
+    print_table,
+    qwen3_0_6b_checkpoint,
+    random_prompts,
+    tiny_checkpoint,
+    write_json,
+)
 from extkv import LLM, ExtensibleTensor, SamplingParams
 from extkv.engine.weight_memory import WeightMemory
 
@@ -465,8 +471,7 @@ def main() -> None:
         same = {case: row["same_tokens"] for case, row in rows.items() if "same_tokens" in row}
         if same:
             print(f"   same greedy tokens: {same}", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1, default=str))
+        write_json(args.json, results)
 
     model = qwen3_0_6b_checkpoint() if cuda else tiny_checkpoint()
     args.model = model

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import math
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from _common import device_bandwidth
+from _common import device_bandwidth, write_json
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.gemv import (
     GemvConfig,
@@ -175,9 +174,7 @@ def main() -> None:
             print(f"{'':21}default {r['default']['config']}")
             for us, config in r["top"]:
                 print(f"{'':21}{us:6.2f} {config}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_GB/s": copy_gbs, "rows": rows}, f, indent=1)
+    write_json(args.json, {"copy_GB/s": copy_gbs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -13,23 +13,24 @@ ratios; transformers runs once, after them, in this process.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
 
 from _common import (
+    SMOKE_DECODE,
     Column,
+    DecodeSetting,
     Rows,
     benchmark_parser,
     decode_throughput,
     engine_options,
     hf_decode_throughput,
-    measure_trees,
-    report,
+    measure_and_report,
+    random_checkpoint,
     tiny_checkpoint,
-    write_json,
 )
 from extkv import LLM
 
@@ -44,31 +45,10 @@ COLUMNS: list[Column] = [
 ]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 256
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
-
-
-def bamba_checkpoint(folder: str = "/tmp/extkv-bench/bamba") -> Path:
-    path = Path(folder)
-    if not (path / "config.json").exists():
-        from extkv.demo import BAMBA_BENCH_SHAPE, make_random_checkpoint
-
-        make_random_checkpoint(
-            path, "bamba", with_tokenizer=False, dtype=torch.bfloat16, **BAMBA_BENCH_SHAPE
-        )
-    return path
-
-
 def checkpoint(args) -> Path:
-    return tiny_checkpoint("bamba") if args.smoke else bamba_checkpoint()
+    if args.smoke:
+        return tiny_checkpoint("bamba")
+    return random_checkpoint("/tmp/extkv-bench/bamba", "bamba", "BAMBA_BENCH_SHAPE")
 
 
 def vocab_size(path: Path) -> int:
@@ -77,7 +57,7 @@ def vocab_size(path: Path) -> int:
 
 def measure(args) -> Rows:
     """extkv's figures per batch size (and its KV cache's blocks)."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     path = checkpoint(args)
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     llm = LLM(
@@ -105,7 +85,7 @@ def measure(args) -> Rows:
 
 def add_transformers(args, rows: Rows) -> None:
     """transformers `generate` on the same prompts, into `rows` (this tree's)."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     path = checkpoint(args)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -125,12 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     checkpoint(args)  # here, before any child: built by this tree's extkv.demo
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    add_transformers(args, results["after"]["rows"])
-    report("hybrid", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "hybrid", COLUMNS, add=partial(add_transformers, args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ touch, E (1 - (1 - k/E)^batch) of E) plus each sequence's KV cache at the mean c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,15 +32,15 @@ import transformers
 
 from _common import (
     Column,
+    DecodeSetting,
     Rows,
     benchmark_parser,
     decode_throughput,
     device_bandwidth,
     engine_options,
-    measure_trees,
+    measure_and_report,
+    random_checkpoint,
     random_prompts,
-    report,
-    write_json,
 )
 from extkv import LLM
 
@@ -101,16 +100,8 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 1024
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=24, output_len=4, batch_sizes=(1, 2))
+SETTING = DecodeSetting(prompt_len=1024)
+SMOKE = DecodeSetting(prompt_len=24, output_len=4, batch_sizes=(1, 2))
 
 
 def _cut(shape: dict[str, object], num_layers: int | None) -> dict[str, object]:
@@ -124,8 +115,6 @@ def _cut(shape: dict[str, object], num_layers: int | None) -> dict[str, object]:
 
 
 def checkpoint(name: str, args) -> Path:
-    from extkv.demo import make_random_checkpoint
-
     architecture, shape = MODELS[name]
     if args.smoke:  # the demo's tiny model of that architecture, MoE layers included
         moe = dict(
@@ -135,17 +124,11 @@ def checkpoint(name: str, args) -> Path:
             moe_intermediate_size=32,
             first_k_dense_replace=1,
         )
-        shape = moe if name == "mla" else {}
-        path = Path(f"/tmp/extkv-bench/tiny-kinds-{name}")
-        dtype = torch.float32
-    else:
-        shape = _cut(shape, args.num_layers)
-        layers = shape["num_hidden_layers"]
-        path = Path(f"/tmp/extkv-bench/{name}-{layers}-layers")
-        dtype = torch.bfloat16
-    if not (path / "config.json").exists():
-        make_random_checkpoint(path, architecture, with_tokenizer=False, dtype=dtype, **shape)
-    return path
+        tiny = moe if name == "mla" else {}
+        return random_checkpoint(f"/tmp/extkv-bench/tiny-kinds-{name}", architecture, **tiny)
+    shape = _cut(shape, args.num_layers)
+    layers = shape["num_hidden_layers"]
+    return random_checkpoint(f"/tmp/extkv-bench/{name}-{layers}-layers", architecture, shape)
 
 
 def roof_step_bytes(config, batch: int, context: int) -> float:
@@ -179,7 +162,7 @@ def roof_step_bytes(config, batch: int, context: int) -> float:
 
 
 def measure(args) -> Rows:
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE if args.smoke else SETTING
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     bandwidth = None if args.smoke else device_bandwidth()
     rows: Rows = {}
@@ -242,11 +225,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     for name in args.models:  # here, before any child: built by this tree's extkv.demo
         checkpoint(name, args)
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    report("kinds", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "kinds", COLUMNS)
 
 
 if __name__ == "__main__":

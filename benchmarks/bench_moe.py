@@ -18,13 +18,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 
-from _common import Column, Rows, decode_throughput, engine_options, print_table, write_json
+from _common import (
+    SMOKE_DECODE,
+    Column,
+    DecodeSetting,
+    Rows,
+    decode_throughput,
+    engine_options,
+    print_table,
+    random_checkpoint,
+    tiny_checkpoint,
+    write_json,
+)
 from bench_kinds import DEEPSEEK_V2_LITE_SHAPE
 from extkv import LLM
 
@@ -59,46 +69,21 @@ COLUMNS: list[Column] = [
 ]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """The shapes of one run: the real one, or --smoke's."""
-
-    prompt_len: int = 256
-    output_len: int = 128
-    batch_sizes: tuple[int, ...] = (1, 64)
-
-
-SMOKE = Setting(prompt_len=16, output_len=4, batch_sizes=(1, 2))
-
-
 def moe_checkpoint(shape: str, layers: int, smoke: bool) -> Path:
     """The random checkpoint of `shape` with `layers` layers (built once, on the GPU); the
     tiny Qwen3-MoE for --smoke."""
-    from extkv.demo import make_random_checkpoint
-
     if smoke:
-        path = Path("/tmp/extkv-bench/tiny-qwen3_moe")
-        if not (path / "config.json").exists():
-            make_random_checkpoint(path, "qwen3_moe", with_tokenizer=False)
-        return path
-    path = Path(f"/tmp/extkv-bench/{shape}-{layers}-layers")
-    if not (path / "config.json").exists():
-        architecture, config = SHAPES[shape]
-        logging.getLogger(__name__).warning("building %s in %s", shape, path)
-        make_random_checkpoint(
-            path,
-            architecture,
-            with_tokenizer=False,
-            dtype=torch.bfloat16,
-            device="cuda",
-            **{**config, "num_hidden_layers": layers},
-        )
-    return path
+        return tiny_checkpoint("qwen3_moe")
+    architecture, config = SHAPES[shape]
+    folder = f"/tmp/extkv-bench/{shape}-{layers}-layers"
+    return random_checkpoint(
+        folder, architecture, {**config, "num_hidden_layers": layers}, device="cuda"
+    )
 
 
 def measure(args: argparse.Namespace) -> Rows:
     """Each engine's figures per batch size, the engines one after another."""
-    setting = SMOKE if args.smoke else Setting()
+    setting = SMOKE_DECODE if args.smoke else DecodeSetting()
     batch_sizes = args.batch_sizes or list(setting.batch_sizes)
     path = moe_checkpoint(args.shape, args.layers, args.smoke)
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size

@@ -43,14 +43,12 @@ from _common import (
     Rows,
     benchmark_parser,
     engine_options,
-    measure_trees,
+    measure_and_report,
     profile_kernels,
     qwen3_0_6b_checkpoint,
     random_prompts,
-    report,
     synchronize,
     tiny_checkpoint,
-    write_json,
 )
 from extkv import LLM, SamplingParams
 
@@ -175,11 +173,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     checkpoint(args)  # here, before any child: built by this tree's extkv.demo
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    report(f"prefill (peak {args.peak_flops / 1e12:.1f} TFLOP/s)", results, COLUMNS)
-    write_json(args.json, results)
+    title = f"prefill (peak {args.peak_flops / 1e12:.1f} TFLOP/s)"
+    measure_and_report(args, measure, title, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ from _common import (
     benchmark_parser,
     decode_throughput,
     engine_options,
-    measure_trees,
-    report,
-    write_json,
+    measure_and_report,
 )
 from extkv import LLM, SamplingParams
 from smollm2 import DEFAULT_SOURCE, smollm2_checkpoint
@@ -98,11 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     smollm2_checkpoint(args.gguf)  # here, before any child: one conversion, this tree's
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    report("smollm2", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "smollm2", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from _common import qwen3_0_6b_checkpoint
+from _common import qwen3_0_6b_checkpoint, write_json
 
 GiB = 1 << 30
 
@@ -140,9 +140,7 @@ def main() -> None:
         "extensible / legacy startup = "
         f"{ext['startup_seconds'] / reports['legacy']['startup_seconds']:.3f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1, default=str)
+    write_json(args.json, reports)
 
 
 if __name__ == "__main__":

@@ -54,14 +54,12 @@ from _common import (
     benchmark_parser,
     device_bandwidth,
     engine_options,
-    measure_trees,
+    measure_and_report,
     profile_kernels,
     qwen3_0_6b_checkpoint,
     random_prompts,
-    report,
     smollm2_135m_checkpoint,
     tiny_checkpoint,
-    write_json,
 )
 from extkv import LLM, SamplingParams
 
@@ -244,11 +242,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     checkpoint(args)  # here, before any child: built by this tree's extkv.demo
-    results = measure_trees(args, measure)
-    if results is None:
-        return
-    report("step", results, COLUMNS)
-    write_json(args.json, results)
+    measure_and_report(args, measure, "step", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ over VMM memory vs a plain allocation, side by side in one run (CUDA only).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from _common import copy_bandwidth
+from _common import copy_bandwidth, write_json
 from extkv import ExtensibleTensor
 
 GiB = 1 << 30
@@ -96,9 +95,7 @@ def main() -> None:
         f"copy bandwidth 8 GiB: VMM {bandwidth['vmm_gbps']:.0f} GB/s, plain "
         f"{bandwidth['plain_gbps']:.0f} GB/s, ratio {bandwidth['ratio']:.3f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"commit": rows, "bandwidth": bandwidth}, f, indent=1)
+    write_json(args.json, {"commit": rows, "bandwidth": bandwidth})
 
 
 if __name__ == "__main__":

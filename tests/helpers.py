@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +93,60 @@ def deepseek_checkpoint(path: Path, architecture: str, **overrides: object) -> P
             tensor.normal_(std=0.3, generator=generator)
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+# DeepSeek's mixture of experts at tiny size: the layers from 1 on route each token to 2 of
+# 8 experts (in 2 groups, 1 kept, where the router groups), plus a shared one.
+DEEPSEEK_MOE = dict(
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+)
+# A tiny model's engine (test_mla, test_moe). Block size 16: the long prompts span several
+# blocks; a step of at most 32 tokens cuts them into chunks, the later ones attending to a
+# cached prefix.
+TINY_ENGINE = dict(
+    cpu_memory_budget_bytes=128 << 20,
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    block_size=16,
+)
+# On CUDA, against the CPU's tokens: fp32 so that they are the CPU's; a few blocks and a
+# small budget, so that the tiny model's KV cache leaves the GPU to the other tests.
+TINY_ENGINE_CPU = dict(TINY_ENGINE, device="cpu")
+TINY_ENGINE_CUDA = dict(
+    TINY_ENGINE,
+    device="cuda",
+    dtype=torch.float32,
+    num_gpu_blocks_override=256,
+    gpu_memory_utilization=0.05,
+)
+# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 16 tokens.
+GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+
+
+def assert_legacy_equals_extensible(
+    path: Path, prompts: list[list[int]], check: Callable[[LLM], None] | None = None
+) -> None:
+    """16 greedy tokens of each prompt and their logprobs the same to the bit on the legacy
+    and the extensible KV cache (TINY_ENGINE); `check` looks at each engine first."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = []
+    for extensible in (False, True):
+        llm = LLM(path, enable_extensible_kv_cache=extensible, **TINY_ENGINE)
+        assert llm.memory_report()["extensible"] is extensible
+        if check is not None:
+            check(llm)
+        run = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in run])
+    legacy, extensible = outputs
+    assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]
+    assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]
 
 
 # Attention KV cache layouts the kernels read through strides (see extkv.kv_cache.layouts).
@@ -235,6 +289,41 @@ def commit_limit(room_bytes: int) -> Iterator[None]:
         backend.commit_limit_bytes = None
 
 
+# The elastic-memory workload test_elastic runs on one rank, test_elastic_tensor_parallel on two.
+ELASTIC_OPTIONS = dict(
+    max_model_len=128,  # 8 blocks of 16 tokens: the least a resize may leave
+    max_num_batched_tokens=256,
+    max_num_seqs=8,
+    enable_extensible_kv_cache=True,
+)
+MIN_BLOCKS = 8
+_PREFIX = list(range(40, 72))  # two full blocks two prompts share (prefix caching)
+ELASTIC_PROMPTS = [
+    [*_PREFIX, 5, 6, 7],
+    [*_PREFIX, *range(100, 120)],
+    [17] * 3,
+    list(range(200, 241)),
+]
+ELASTIC_PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def resize_while_decoding(llm: LLM, expected: list[list[int]]) -> list[dict[str, object]]:
+    """The pool resized to MIN_BLOCKS then 64 blocks (8-63 are handed out in that order), then
+    ELASTIC_PROMPTS decoded to their `expected` tokens through a shrink, a grow and a deeper
+    shrink: a hog holds low blocks while the prompts take higher ones, so once it is gone the
+    first shrink moves their blocks down; the last one preempts some. The resize reports."""
+    llm.resize_kv_cache(num_blocks=MIN_BLOCKS)
+    llm.resize_kv_cache(num_blocks=64)
+    schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
+    hog = list(range(300, 360))
+    tokens, reports = decode_through(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS, schedule, hog=hog)
+    assert tokens == expected
+    assert [r["num_blocks"] for r in reports] == [12, 48, 10]
+    assert reports[0]["num_moved_blocks"] > 0 and reports[2]["num_preempted"] > 0
+    assert_nothing_leaked(llm)
+    return reports
+
+
 def decode_through(
     llm: LLM,
     prompts: list[list[int]],
@@ -275,11 +364,40 @@ def hf_greedy(
     return outputs
 
 
+def hf_greedy_with_images(
+    path: Path, prompts: list[tuple[str, list]], max_new_tokens: int, causal: bool = False
+) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers' prompt ids and greedy continuation (fp32) of each (text, images) prompt,
+    by the model class the checkpoint names; `causal`: without token_type_ids, so that
+    Gemma 3's image tokens only look back."""
+    architecture = transformers.AutoConfig.from_pretrained(path).architectures[0]
+    model = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    ids, outputs = [], []
+    for text, images in prompts:
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        if causal:
+            inputs.pop("token_type_ids")
+        out = model.eval().generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ids.append(inputs["input_ids"][0].tolist())
+        outputs.append(out[0, len(ids[-1]) :].tolist())
+    return ids, outputs
+
+
+def multimodal_prompts(prompts: list[tuple[str, list]]) -> list[dict]:
+    """(text, images) prompts as `LLM.generate` takes them."""
+    return [
+        {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+        for text, images in prompts
+    ]
+
+
 def assert_follows_transformers_in_bf16(
-    path: Path, prompts: list[list[int]], tokens: list[list[int]]
+    path: Path, prompts: list[list[int]], tokens: list[list[int]], tolerance: float = 0.03
 ) -> None:
     """extkv's greedy `tokens` of each prompt are transformers' bf16 greedy ones on CUDA, or
-    part from them only where transformers' two candidates' logits (nearly) tie."""
+    part from them only where transformers' two candidates' logits (nearly) tie: apart by
+    at most `tolerance` of the largest logit."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = model.cuda().eval()
     model.generation_config.eos_token_id = None
@@ -296,7 +414,42 @@ def assert_follows_transformers_in_bf16(
         with torch.no_grad():
             logits = model(torch.tensor([prompt + hf[:i]], device="cuda")).logits[0, -1].float()
         gap = (logits[hf[i]] - logits[ours[i]]).abs().item()
-        assert gap <= 0.03 * logits.abs().max().item(), f"diverged at {i}: logit gap {gap}"
+        assert gap <= tolerance * logits.abs().max().item(), (
+            f"diverged at token {i}: transformers {hf[i]} vs extkv {ours[i]}, logit gap {gap}"
+        )
+
+
+SMALL_VOCAB = 2048
+
+
+def small_bf16_checkpoint(folder: Path, architecture: str, **shape: object) -> Path:
+    """A small random bf16 checkpoint of one of extkv.demo's architectures for the GPU engine
+    tests (hidden size 256, SMALL_VOCAB tokens, weights drawn at std 0.1): `shape` sets the
+    layers."""
+    return make_random_checkpoint(
+        folder,
+        architecture,
+        with_tokenizer=False,
+        dtype=torch.bfloat16,
+        vocab_size=SMALL_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=0.1,
+        **shape,
+    )
+
+
+def prompts_growing_by(step: int, n: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of 5, 5 + step, 5 + 2 step, ... random token ids in [1, vocab), seeded."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(1, vocab, (k,), generator=gen).tolist() for k in range(5, 5 + step * n, step)
+    ]
+
+
+def greedy(max_tokens: int, **options: object) -> SamplingParams:
+    """Greedy decoding of `max_tokens` tokens (EOS ignored), with any other `options`."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **options)
 
 
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -16,49 +16,38 @@ from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.errors import EngineAsleepError, EngineStateError
 from extkv.engine.host_memory import resident_bytes
-from helpers import assert_nothing_leaked, decode_through, extkv_tokens
-
-OPTIONS = dict(
-    cpu_memory_budget_bytes=96 << 20,
-    max_model_len=128,  # 8 blocks of 16 tokens: the least a resize may leave
-    max_num_batched_tokens=256,
-    max_num_seqs=8,
-    enable_extensible_kv_cache=True,
+from helpers import (
+    ELASTIC_OPTIONS,
+    ELASTIC_PARAMS,
+    ELASTIC_PROMPTS,
+    MIN_BLOCKS,
+    assert_nothing_leaked,
+    decode_through,
+    extkv_tokens,
+    resize_while_decoding,
 )
-MIN_BLOCKS = 8
-PREFIX = list(range(40, 72))  # two full blocks two prompts share (prefix caching)
-PROMPTS = [[*PREFIX, 5, 6, 7], [*PREFIX, *range(100, 120)], [17] * 3, list(range(200, 241))]
-PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+OPTIONS = {**ELASTIC_OPTIONS, "cpu_memory_budget_bytes": 96 << 20}
 
 
 class Served(NamedTuple):
     llm: LLM
-    expected: list[list[int]]  # PROMPTS' tokens before any resize or sleep
+    expected: list[list[int]]  # ELASTIC_PROMPTS' tokens before any resize or sleep
 
 
 @pytest.fixture(scope="module")
 def served(qwen3: Path) -> Served:
     llm = LLM(qwen3, enable_sleep_mode=True, enable_prefix_caching=True, **OPTIONS)
-    return Served(llm, extkv_tokens(llm, PROMPTS, PARAMS))
+    return Served(llm, extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS))
 
 
 def test_resizing_while_decoding_keeps_tokens_moving_or_preempting(served: Served) -> None:
     llm, expected = served
-    llm.resize_kv_cache(num_blocks=MIN_BLOCKS)  # no request: the pool is 8 blocks ...
-    llm.resize_kv_cache(num_blocks=64)  # ... and then 8-63, handed out in that order
-    # The hog holds low blocks while the prompts take higher ones; once it is gone, a
-    # shrink moves their blocks down; a shrink below what they hold preempts some.
-    schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
-    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
-    assert tokens == expected
-    assert [r["num_blocks"] for r in reports] == [12, 48, 10]
-    assert reports[0]["num_moved_blocks"] > 0
-    assert reports[2]["num_preempted"] > 0
+    reports = resize_while_decoding(llm, expected)
     assert reports[1]["previous_num_blocks"] == 12
-    assert_nothing_leaked(llm)
     # The moved blocks' prefix-cache entries name their new places: hits give the same tokens.
     cached = llm.engine.block_manager.num_cached_tokens
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     assert llm.engine.block_manager.num_cached_tokens > cached
     assert llm.kv_cache_status()["num_resizes"]["shrink"] >= 2
 
@@ -72,7 +61,7 @@ def test_resizing_moves_blocks_in_every_kv_cache_group(
     of the engine before any resize, and every group gives all its blocks back."""
     path = make_random_checkpoint(tmp_path, "gemma3", with_tokenizer=False)
     llm = LLM(path, **OPTIONS)
-    expected = extkv_tokens(llm, PROMPTS, PARAMS)
+    expected = extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS)
     blocks = llm.engine.block_manager
     assert [g.kind for g in blocks.groups] == ["sliding_window"] * 2 + ["full_attention"]
     least = llm.kv_cache_status()["min_blocks"]
@@ -89,7 +78,9 @@ def test_resizing_moves_blocks_in_every_kv_cache_group(
 
     monkeypatch.setattr(llm, "resize_kv_cache", recording)
     schedule = [(3, {"num_blocks": 30}), (6, {"num_blocks": 60}), (20, {"num_blocks": least})]
-    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
+    tokens, reports = decode_through(
+        llm, ELASTIC_PROMPTS, ELASTIC_PARAMS, schedule, hog=list(range(300, 360))
+    )
     assert tokens == expected
     assert reports[0]["num_moved_blocks"] > 0 and moving == {0, 1, 2}
     assert reports[2]["num_preempted"] > 0
@@ -97,7 +88,7 @@ def test_resizing_moves_blocks_in_every_kv_cache_group(
     assert_nothing_leaked(llm)
 
 
-SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # PARAMS' first 12
+SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # ELASTIC_PARAMS' first 12
 
 
 @settings(
@@ -123,7 +114,7 @@ def test_random_resize_schedules_never_change_tokens_or_leak(
 ) -> None:
     llm, expected = served
     llm.resize_kv_cache(num_blocks=start)
-    tokens, reports = decode_through(llm, PROMPTS, SHORT, schedule)
+    tokens, reports = decode_through(llm, ELASTIC_PROMPTS, SHORT, schedule)
     assert tokens == [t[:12] for t in expected]
     for report in reports:
         assert report["num_blocks"] == report["requested_blocks"]  # host memory: all fits
@@ -175,14 +166,16 @@ def test_sleep_and_wake_keep_addresses_and_tokens_and_reset_the_prefix_cache(
     llm, expected = served
     engine = llm.engine
     llm.resize_kv_cache(num_blocks=64)
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected  # fills the prefix cache
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected  # fills the prefix cache
     weights = [p.data_ptr() for p in engine.runner.model.parameters()]
     views = {name: view.data_ptr() for name, view in engine.kv_cache.layer_views.items()}
     llm.sleep(level=level)
     assert llm.is_sleeping()
     assert engine.kv_cache.committed_bytes == engine.runner.weights.committed_bytes == 0
     with pytest.raises(EngineAsleepError, match="asleep"):
-        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS, use_tqdm=False)
+        llm.generate(
+            prompt_token_ids=ELASTIC_PROMPTS[:1], sampling_params=ELASTIC_PARAMS, use_tqdm=False
+        )
     with pytest.raises(EngineStateError, match="already asleep"):
         llm.sleep()
     llm.wake_up(tags=["weights"])
@@ -193,7 +186,7 @@ def test_sleep_and_wake_keep_addresses_and_tokens_and_reset_the_prefix_cache(
     assert {n: v.data_ptr() for n, v in engine.kv_cache.layer_views.items()} == views
     assert llm.kv_cache_status()["num_blocks"] == 64
     cached = engine.block_manager.num_cached_tokens
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     assert engine.block_manager.num_cached_tokens == cached  # nothing stale was hit
     llm.wake_up()  # awake already: nothing to do
 
@@ -201,7 +194,7 @@ def test_sleep_and_wake_keep_addresses_and_tokens_and_reset_the_prefix_cache(
 def test_sleep_refuses_requests_in_flight_or_drains_them(served: Served) -> None:
     llm, expected = served
     engine = llm.engine
-    request = engine.add_request(PROMPTS[0], PARAMS)
+    request = engine.add_request(ELASTIC_PROMPTS[0], ELASTIC_PARAMS)
     engine.step()
     with pytest.raises(EngineStateError, match=r"1 request\(s\) in flight.*drain=True"):
         llm.sleep()
@@ -256,7 +249,7 @@ def test_sleep_gives_the_memory_back(heavy: Path) -> None:
     net change on the CPU) and by the KV cache and the weights (level 2)."""
     llm = LLM(heavy, enable_sleep_mode=True, **OPTIONS)
     engine = llm.engine
-    expected = extkv_tokens(llm, PROMPTS[2:], PARAMS)
+    expected = extkv_tokens(llm, ELASTIC_PROMPTS[2:], ELASTIC_PARAMS)
     kv, weights = engine.kv_cache.committed_bytes, engine.runner.weights.committed_bytes
     assert weights >= 32 << 20 and kv >= 16 << 20
     drops = {}
@@ -266,7 +259,7 @@ def test_sleep_gives_the_memory_back(heavy: Path) -> None:
         llm.sleep(level=level)
         drops[level] = before - resident_bytes()
         llm.wake_up()
-        assert extkv_tokens(llm, PROMPTS[2:], PARAMS) == expected
+        assert extkv_tokens(llm, ELASTIC_PROMPTS[2:], ELASTIC_PARAMS) == expected
     # 0.8: the granules at each segment's end are committed but only partly touched, and
     # the level-1 host copy of the weights faults its pages in as the region's go.
     assert drops[1] >= 0.8 * kv

@@ -14,31 +14,28 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from extkv import LLM, SamplingParams
+from extkv import LLM
 from extkv.demo import make_random_checkpoint
 from helpers import (
+    ELASTIC_OPTIONS,
+    ELASTIC_PARAMS,
+    ELASTIC_PROMPTS,
+    MIN_BLOCKS,
     FakeClock,
     assert_nothing_leaked,
     children,
     commit_limit,
-    decode_through,
     extkv_tokens,
+    resize_while_decoding,
     started_children,
 )
 
-OPTIONS = dict(
-    cpu_memory_budget_bytes=128 << 20,
-    max_model_len=128,  # 8 blocks of 16 tokens: the least a resize may leave
-    max_num_batched_tokens=256,
-    max_num_seqs=8,
-    enable_extensible_kv_cache=True,
-    enable_sleep_mode=True,
-    enable_prefix_caching=True,
-)
-MIN_BLOCKS = 8
-PREFIX = list(range(40, 72))  # two full blocks two prompts share (prefix caching)
-PROMPTS = [[*PREFIX, 5, 6, 7], [*PREFIX, *range(100, 120)], [17] * 3, list(range(200, 241))]
-PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+OPTIONS = {
+    **ELASTIC_OPTIONS,
+    "cpu_memory_budget_bytes": 128 << 20,
+    "enable_sleep_mode": True,
+    "enable_prefix_caching": True,
+}
 # One KV head for 4 query heads (replicated on both ranks: every rank's KV cache is alike),
 # and a vocabulary two ranks split unevenly (padded).
 SHAPE = dict(with_tokenizer=False, vocab_size=383, num_key_value_heads=1)
@@ -58,14 +55,14 @@ def second(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def one_rank_tokens(path: Path) -> list[list[int]]:
     llm = LLM(path, **OPTIONS)
     try:
-        return extkv_tokens(llm, PROMPTS, PARAMS)
+        return extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS)
     finally:
         llm.close()
 
 
 @pytest.fixture(scope="module")
 def expected(first: Path) -> list[list[int]]:
-    """PROMPTS' tokens on one rank, never resized."""
+    """ELASTIC_PROMPTS' tokens on one rank, never resized."""
     return one_rank_tokens(first)
 
 
@@ -76,7 +73,7 @@ def two_ranks(first: Path, expected: list[list[int]]) -> Iterator[LLM]:
     older = set(children())
     llm = LLM(first, tensor_parallel_size=2, **OPTIONS)
     try:
-        assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+        assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
         yield llm
     finally:
         llm.close()
@@ -109,20 +106,11 @@ def test_resizing_down_and_up_on_two_ranks_keeps_tokens(
     two_ranks: LLM, expected: list[list[int]]
 ) -> None:
     llm = two_ranks
-    llm.resize_kv_cache(num_blocks=MIN_BLOCKS)  # the pool is 8 blocks, then 8-63 in order
-    llm.resize_kv_cache(num_blocks=64)
-    # As in test_elastic: the hog holds low blocks while the prompts take higher ones; the
-    # first shrink moves their blocks down (on every rank), the last preempts some.
-    schedule = [(3, {"num_blocks": 12}), (6, {"num_blocks": 48}), (20, {"num_blocks": 10})]
-    tokens, reports = decode_through(llm, PROMPTS, PARAMS, schedule, hog=list(range(300, 360)))
-    assert tokens == expected
-    assert [r["num_blocks"] for r in reports] == [12, 48, 10]
-    assert reports[0]["num_moved_blocks"] > 0 and reports[2]["num_preempted"] > 0
-    assert_nothing_leaked(llm)
+    resize_while_decoding(llm, expected)  # the first shrink moves blocks on every rank
     committed_per_rank(llm)
     # The moved blocks' prefix-cache entries name their new places on every rank.
     cached = llm.engine.block_manager.num_cached_tokens
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     assert llm.engine.block_manager.num_cached_tokens > cached
 
 
@@ -147,7 +135,7 @@ def test_sleep_and_wake_on_two_ranks_give_memory_back_and_keep_tokens(
         llm.wake_up(tags=["kv_cache"])
         assert not llm.is_sleeping() and committed_per_rank(llm) == kv
         cached = llm.engine.block_manager.num_cached_tokens
-        assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+        assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
         assert llm.engine.block_manager.num_cached_tokens == cached  # nothing stale was hit
 
 
@@ -169,10 +157,10 @@ def test_a_grow_one_rank_cannot_make_leaves_every_rank_at_the_smallest_count(
     assert committed_per_rank(llm) == at_within
     messages = [r.getMessage() for r in caplog.records]
     assert f"the ranks reached [{within}, {target}]; every rank keeps {within}." in messages[-1]
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     assert llm.resize_kv_cache(num_blocks=target)["num_blocks"] == target  # room again
     assert all(t > w for t, w in zip(committed_per_rank(llm), at_within, strict=True))
-    assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+    assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     assert_nothing_leaked(llm)
 
 
@@ -187,7 +175,7 @@ def test_load_weights_after_a_level_2_sleep_on_two_ranks(
     older = set(children())
     llm = LLM(served, tensor_parallel_size=2, **OPTIONS)
     try:
-        assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+        assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
         for file in served.glob("*.safetensors"):
             file.unlink()
         llm.sleep(level=2)
@@ -195,9 +183,9 @@ def test_load_weights_after_a_level_2_sleep_on_two_ranks(
         assert llm.is_sleeping() and not llm.kv_cache_status()["weights_loaded"]
         llm.load_weights(load_file(second / "model.safetensors").items())
         llm.wake_up(tags=["kv_cache"])
-        assert extkv_tokens(llm, PROMPTS, PARAMS) == expected_second
+        assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected_second
         llm.load_weights(load_file(first / "model.safetensors").items())  # awake
-        assert extkv_tokens(llm, PROMPTS, PARAMS) == expected
+        assert extkv_tokens(llm, ELASTIC_PROMPTS, ELASTIC_PARAMS) == expected
     finally:
         llm.close()
     assert not started_children(older)
@@ -224,7 +212,7 @@ def test_the_elastic_policy_grows_and_gives_back_on_every_rank(
     idle_s = 30.0
     options = {**OPTIONS, "kv_layout": "block_major"}
     llm = LLM(wide, **options)
-    expected = extkv_tokens(llm, BURST, PARAMS)
+    expected = extkv_tokens(llm, BURST, ELASTIC_PARAMS)
     llm.close()
     older = set(children())
     llm = LLM(
@@ -242,14 +230,14 @@ def test_the_elastic_policy_grows_and_gives_back_on_every_rank(
         assert status["num_blocks"] == floor < len(BURST) * 6 < status["num_blocks_ceiling"]
         at_floor = committed_per_rank(llm)
         with commit_limit(0), caplog.at_level(logging.WARNING, logger="extkv"):
-            assert extkv_tokens(llm, BURST, PARAMS) == expected  # some waited
+            assert extkv_tokens(llm, BURST, ELASTIC_PARAMS) == expected  # some waited
             status = llm.kv_cache_status()
             assert status["grow_held_back"] and status["num_blocks"] == floor
         assert committed_per_rank(llm) == at_floor
         refused = [r for r in caplog.records if "no memory to grow" in r.getMessage()]
         assert len(refused) == 1
         preempted = llm.engine.scheduler.num_preemptions
-        assert extkv_tokens(llm, BURST, PARAMS) == expected
+        assert extkv_tokens(llm, BURST, ELASTIC_PARAMS) == expected
         status = llm.kv_cache_status()
         assert status["num_blocks"] >= len(BURST) * 6 and not status["grow_held_back"]
         assert llm.engine.scheduler.num_preemptions == preempted  # grown, not preempted

@@ -89,51 +89,44 @@ def rotary_table(head_dim: int, rotary_dim: int, device: str) -> torch.Tensor:
     return RotaryEmbedding(head_dim, 300, params).cos_sin_cache.to(device)
 
 
-def qkv_inputs(
-    num_tokens: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    qk_norm: bool,
-    dtype: torch.dtype,
-    device: str,
-) -> tuple:
-    """Arguments up to the cache: qkv rows of a wider tensor, scattered positions."""
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width + 8, dtype=dtype, device=device)[:, :width]
-    positions = torch.randint(0, 300, (num_tokens,), device=device)
-    weights = [torch.randn(head_dim, dtype=dtype, device=device) for _ in "qk"]
-    return (
-        qkv,
-        positions,
-        rotary_table(head_dim, rotary_dim, device),
-        num_q_heads,
-        num_kv_heads,
-        *(weights if qk_norm else (None, None)),
-        1e-6,
-    )
+@dataclass(frozen=True)
+class RopeCase:
+    """The shapes and settings of one q/k norm + rotary check."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    qk_norm: bool
+    dtype: torch.dtype
+    device: str
+
+    def inputs(self, num_tokens: int) -> tuple:
+        """Arguments up to the cache: qkv rows of a wider tensor, scattered positions."""
+        width = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv = torch.randn(num_tokens, width + 8, dtype=self.dtype, device=self.device)[:, :width]
+        positions = torch.randint(0, 300, (num_tokens,), device=self.device)
+        weights = [torch.randn(self.head_dim, dtype=self.dtype, device=self.device) for _ in "qk"]
+        return (
+            qkv,
+            positions,
+            rotary_table(self.head_dim, self.rotary_dim, self.device),
+            self.num_q_heads,
+            self.num_kv_heads,
+            *(weights if self.qk_norm else (None, None)),
+            1e-6,
+        )
 
 
-def check_qk_norm_rope_store(
-    layout: str,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    qk_norm: bool,
-    dtype: torch.dtype,
-    device: str,
-    block_size: int = 4,
-) -> None:
+def check_qk_norm_rope_store(layout: str, case: RopeCase, block_size: int = 4) -> None:
     """q, and the whole cache buffer: written slots match, padding (-1) slots and page
     padding stay as they were."""
     num_tokens, num_blocks = 11, 6
-    args = qkv_inputs(
-        num_tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype, device
+    args = case.inputs(num_tokens)
+    cache = Cache.random(
+        layout, num_blocks, block_size, case.num_kv_heads, case.head_dim, case.dtype, case.device
     )
-    cache = Cache.random(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, device=case.device)[:num_tokens]
     slots[::4] = -1
     expected = cache.rebased(cache.buf.clone())
     q_ref = reference.qk_norm_rope_store(*args, expected.k, expected.v, slots)
@@ -142,17 +135,9 @@ def check_qk_norm_rope_store(
     assert_matches(cache.buf, expected.buf)
 
 
-def check_qk_norm_rope(
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    qk_norm: bool,
-    dtype: torch.dtype,
-    device: str,
-) -> None:
+def check_qk_norm_rope(case: RopeCase) -> None:
     """No cache (the profiling run): q, k and v come back as tensors."""
-    args = qkv_inputs(9, num_q_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype, device)
+    args = case.inputs(9)
     for out, ref in zip(qk_norm_rope(*args), reference.qk_norm_rope(*args), strict=True):
         assert_matches(out, ref)
 
@@ -177,7 +162,6 @@ def test_bad_shapes_are_refused() -> None:
 
 def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
     every = [(dtype, "cpu") for dtype in DTYPES]
-    rope = partial(check_qk_norm_rope_store, device="cpu")
     return {
         "norms": [
             *(partial(check_rms_norm, hidden, *on) for hidden in (1024, 100) for on in every),
@@ -189,16 +173,26 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
         ],
         "rotary": [
             *(
-                partial(rope, layout, 4, 2, 32, 32, True, dtype)
+                partial(
+                    check_qk_norm_rope_store, layout, RopeCase(4, 2, 32, 32, True, dtype, "cpu")
+                )
                 for layout in LAYOUTS
                 for dtype in DTYPES
             ),
+            # odd heads, partial, odd dim
             partial(
-                rope, "split", 3, 1, 24, 12, False, torch.bfloat16
-            ),  # odd heads, partial, odd dim
-            partial(rope, "hybrid", 8, 8, 64, 32, False, torch.float16, block_size=16),
+                check_qk_norm_rope_store,
+                "split",
+                RopeCase(3, 1, 24, 12, False, torch.bfloat16, "cpu"),
+            ),
+            partial(
+                check_qk_norm_rope_store,
+                "hybrid",
+                RopeCase(8, 8, 64, 32, False, torch.float16, "cpu"),
+                block_size=16,
+            ),
             *(
-                partial(check_qk_norm_rope, 4, 2, 32, 16, norm, *on)
+                partial(check_qk_norm_rope, RopeCase(4, 2, 32, 16, norm, *on))
                 for norm in (False, True)
                 for on in every
             ),
@@ -259,15 +253,14 @@ def test_qk_norm_rope_store_gpu(
     qk_norm: bool,
     dtype: torch.dtype,
 ) -> None:
-    check_qk_norm_rope_store(
-        layout, *heads, head_dim, rotary_dim, qk_norm, dtype, "cuda", block_size=16
-    )
+    case = RopeCase(*heads, head_dim, rotary_dim, qk_norm, dtype, "cuda")
+    check_qk_norm_rope_store(layout, case, block_size=16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qk_norm_rope_no_cache_gpu(qk_norm: bool) -> None:
-    check_qk_norm_rope(16, 8, 128, 64, qk_norm, torch.bfloat16, "cuda")
+    check_qk_norm_rope(RopeCase(16, 8, 128, 64, qk_norm, torch.bfloat16, "cuda"))
 
 
 def qwen3_shaped(folder: Path, num_layers: int) -> torch.nn.Module:

@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 from transformers.models.gemma3 import modeling_gemma3
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint, make_random_gemma3
+from helpers import hf_greedy_with_images, multimodal_prompts
 from test_multimodal import assert_encoder_cache_released, assert_nothing_leaked, image, tokens
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
@@ -43,34 +43,9 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_gemma3(tmp_path_factory.mktemp("gemma3_vl"))
 
 
-def hf_greedy(
-    path: Path, prompts: list[tuple[str, list]], max_new_tokens: int, causal: bool = False
-) -> tuple[list[list[int]], list[list[int]]]:
-    """transformers' prompt ids and greedy continuation of each (text, images) prompt;
-    `causal`: without token_type_ids, so that its image tokens only look back."""
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    processor = transformers.AutoProcessor.from_pretrained(path)
-    ids, outputs = [], []
-    for text, images in prompts:
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
-        if causal:
-            inputs.pop("token_type_ids")
-        out = model.eval().generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        ids.append(inputs["input_ids"][0].tolist())
-        outputs.append(out[0, len(ids[-1]) :].tolist())
-    return ids, outputs
-
-
-def as_dicts(prompts: list[tuple[str, list]]) -> list[dict]:
-    return [
-        {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
-        for text, images in prompts
-    ]
-
-
 @pytest.fixture(scope="module")
 def expected(gemma3: Path) -> tuple[list[list[int]], list[list[int]]]:
-    ids, outputs = hf_greedy(gemma3, PROMPTS, GREEDY.max_tokens)
+    ids, outputs = hf_greedy_with_images(gemma3, PROMPTS, GREEDY.max_tokens)
     assert all(len(i) > WINDOW for i in ids)
     return ids, outputs
 
@@ -82,13 +57,15 @@ def test_greedy_matches_transformers(gemma3: Path, expected: tuple, extensible: 
     expected_ids, want = expected
     llm = LLM(gemma3, enable_extensible_kv_cache=extensible, **SMALL)
     assert llm.engine.runner.image_spec.bidirectional
-    outputs = llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)
+    outputs = llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == expected_ids
     assert tokens(outputs) == want
-    one_by_one = [tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in as_dicts(PROMPTS)]
+    one_by_one = [
+        tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in multimodal_prompts(PROMPTS)
+    ]
     assert one_by_one == want
     # The images matter: another picture changes what follows.
-    other = llm.generate(as_dicts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
+    other = llm.generate(multimodal_prompts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
     assert tokens(other) != want[:1]
     assert_nothing_leaked(llm)
     assert_encoder_cache_released(llm)
@@ -98,7 +75,7 @@ def test_image_tokens_see_each_other(gemma3: Path, expected: tuple) -> None:
     """transformers with its image tokens only looking back (no token_type_ids) gives
     other tokens than with them seeing each other, which extkv's are."""
     _, want = expected
-    _, causal = hf_greedy(gemma3, PROMPTS, GREEDY.max_tokens, causal=True)
+    _, causal = hf_greedy_with_images(gemma3, PROMPTS, GREEDY.max_tokens, causal=True)
     assert causal != want
 
 
@@ -108,9 +85,9 @@ def test_images_longer_than_the_window(tmp_path: Path) -> None:
     but never more than the window back, as transformers' mask."""
     path = make_random_gemma3(tmp_path, mm_tokens_per_image=16)
     prompts = PROMPTS[:2]
-    ids, want = hf_greedy(path, prompts, GREEDY.max_tokens)
+    ids, want = hf_greedy_with_images(path, prompts, GREEDY.max_tokens)
     llm = LLM(path, **SMALL)
-    outputs = llm.generate(as_dicts(prompts), GREEDY, use_tqdm=False)
+    outputs = llm.generate(multimodal_prompts(prompts), GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == ids
     assert tokens(outputs) == want
 
@@ -194,7 +171,7 @@ def test_two_ranks_compute_alike(gemma3: Path, expected: tuple) -> None:
     options = {**SMALL, "max_num_batched_tokens": 6, "max_num_seqs": 2}
     llm = LLM(gemma3, tensor_parallel_size=2, **options)
     try:
-        assert tokens(llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == want
+        assert tokens(llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == want
         assert_encoder_cache_released(llm)
     finally:
         llm.close()
@@ -214,15 +191,15 @@ def test_a_prefix_cache_hit_may_end_inside_an_image(tmp_path: Path) -> None:
     first = f"a long enough prefix of words {BOI} what colour is it?"
     second = f"a long enough prefix of words {BOI} and its shape?"
     prompts = [(first, [image(5)]), (second, [image(5)])]
-    ids, want = hf_greedy(path, prompts, GREEDY.max_tokens)
+    ids, want = hf_greedy_with_images(path, prompts, GREEDY.max_tokens)
     llm = LLM(path, enable_prefix_caching=True, block_size=8, **SMALL)
     image_token = llm.get_tokenizer().convert_tokens_to_ids("<image_soft_token>")
     [(start, end)] = image_runs(ids[1], image_token)
     same = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
     cached = same // 8 * 8
     assert start < cached < end  # the last common block ends inside the image
-    assert tokens(llm.generate(as_dicts(prompts[:1]), GREEDY, use_tqdm=False)) == want[:1]
-    assert tokens(llm.generate(as_dicts(prompts[1:]), GREEDY, use_tqdm=False)) == want[1:]
+    assert tokens(llm.generate(multimodal_prompts(prompts[:1]), GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(llm.generate(multimodal_prompts(prompts[1:]), GREEDY, use_tqdm=False)) == want[1:]
     assert llm.engine.stats().num_cached_prompt_tokens == cached
     assert_nothing_leaked(llm)
 
@@ -230,7 +207,7 @@ def test_a_prefix_cache_hit_may_end_inside_an_image(tmp_path: Path) -> None:
 def test_a_repeated_image_hits_the_encoder_cache(gemma3: Path) -> None:
     llm = LLM(gemma3, **SMALL)
     same = [(f"{BOI} one", [image(5)]), (f"two {BOI}", [image(5)])]
-    llm.generate(as_dicts(same), GREEDY, use_tqdm=False)
+    llm.generate(multimodal_prompts(same), GREEDY, use_tqdm=False)
     stats = llm.engine.stats()
     assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (1, 1)
     assert stats.encoder_cache_used_tokens == IMAGE_TOKENS
@@ -258,7 +235,7 @@ def test_chat_through_gemma3s_template(gemma3: Path, extensible: bool) -> None:
     hf_messages = [{"role": "user", "content": hf_content}]
     text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
     assert text.count(BOI) == 2
-    ids, want = hf_greedy(gemma3, [(text, [image(1), image(2)])], GREEDY.max_tokens)
+    ids, want = hf_greedy_with_images(gemma3, [(text, [image(1), image(2)])], GREEDY.max_tokens)
     assert chat.prompt_token_ids == ids[0]
     assert chat.outputs[0].token_ids == want[0]
 
@@ -316,12 +293,12 @@ def test_cuda_equals_the_cpu_reference(gemma3: Path) -> None:
     before images."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reference = LLM(gemma3, device="cpu", **SMALL)
-    cpu = tokens(reference.generate(as_dicts(PROMPTS), params, use_tqdm=False))
+    cpu = tokens(reference.generate(multimodal_prompts(PROMPTS), params, use_tqdm=False))
     options = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3)
     for extra in ({}, {"enable_extensible_kv_cache": True}, {"max_num_batched_tokens": 8}):
         llm = LLM(gemma3, max_num_seqs=8, **options, **extra)
         assert llm.engine.runner.graphs is not None
-        assert tokens(llm.generate(as_dicts(PROMPTS), params, use_tqdm=False)) == cpu
+        assert tokens(llm.generate(multimodal_prompts(PROMPTS), params, use_tqdm=False)) == cpu
         report = llm.memory_report()
         assert report["encoder_cache_bytes"] > 0 and report["encoder_activation_peak_bytes"] > 0
         assert_nothing_leaked(llm)

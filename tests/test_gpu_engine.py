@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-from extkv import LLM, SamplingParams
+from extkv import LLM
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.engine.weight_memory import WeightMemory
+from helpers import assert_follows_transformers_in_bf16, extkv_tokens, greedy
 
 pytestmark = pytest.mark.gpu
 
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = greedy(32)
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,6 @@ def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, vocab, (n_,), generator=gen).tolist() for n_ in lengths]
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.mark.parametrize("backend", ["split", "block_major"])
 def test_extensible_equals_legacy_with_cuda_graphs(
     qwen3_0_6b: Path, backend: str, caplog: pytest.LogCaptureFixture
@@ -65,7 +60,7 @@ def test_extensible_equals_legacy_with_cuda_graphs(
     options = dict(kv_layout=backend, max_model_len=1024, max_num_seqs=32)
     legacy = LLM(qwen3_0_6b, **options)
     assert legacy.engine.runner.graphs is not None  # graphs on
-    expected = run(legacy, prompts, GREEDY)
+    expected = extkv_tokens(legacy, prompts, GREEDY)
     legacy_report = legacy.memory_report()
     legacy.close()
     with caplog.at_level(logging.INFO, logger="extkv"):
@@ -75,7 +70,7 @@ def test_extensible_equals_legacy_with_cuda_graphs(
     report = extensible.memory_report()
     extended = f"Extended KV cache to {report['num_blocks']} blocks. "
     assert any(i > reserve for i, m in enumerate(messages) if m.startswith(extended))
-    assert run(extensible, prompts, GREEDY) == expected
+    assert extkv_tokens(extensible, prompts, GREEDY) == expected
     assert report["graph_pool_bytes"] > 0
     # Sized from what the capture really took: within 1% of the physical limit, never past it.
     target = report["available_bytes"] - report["graph_pool_bytes"] - report["margin_bytes"]
@@ -89,25 +84,9 @@ def test_greedy_follows_transformers_in_bf16(small_qwen3: Path) -> None:
     divergence is a near-tie of transformers' own logits."""
     prompts = random_prompts(8, 4096, seed=1)
     llm = LLM(small_qwen3, max_model_len=512, max_num_seqs=16)
-    ours = run(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    ours = extkv_tokens(llm, prompts, greedy(16))
     llm.close()
-    model = transformers.AutoModelForCausalLM.from_pretrained(small_qwen3, dtype=torch.bfloat16)
-    model = model.cuda().eval()
-    model.generation_config.eos_token_id = None  # extkv ignores EOS here too
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt], device="cuda")
-        hf = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
-        hf = hf[0, len(prompt) :].tolist()
-        if hf == tokens:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(hf, tokens, strict=True)) if a != b)
-        with torch.no_grad():
-            context = torch.tensor([prompt + hf[:i]], device="cuda")
-            logits = model(context).logits[0, -1].float()
-        gap = (logits[hf[i]] - logits[tokens[i]]).abs().item()
-        assert gap <= 0.02 * logits.abs().max().item(), (
-            f"diverged at token {i}: transformers {hf[i]} vs extkv {tokens[i]}, logit gap {gap}"
-        )
+    assert_follows_transformers_in_bf16(small_qwen3, prompts, ours, tolerance=0.02)
 
 
 def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path) -> None:
@@ -119,11 +98,11 @@ def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path
     llm = LLM(small_qwen3, enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
     graphs = llm.engine.runner.graphs
     assert graphs is not None
-    expected = run(llm, prompts, GREEDY)
+    expected = extkv_tokens(llm, prompts, GREEDY)
     blocks = llm.kv_cache_status()["num_blocks"]
     shrunk = llm.resize_kv_cache(num_blocks=blocks // 4)
     assert shrunk["committed_bytes"] < shrunk["previous_committed_bytes"]
-    assert run(llm, prompts, GREEDY) == expected
+    assert extkv_tokens(llm, prompts, GREEDY) == expected
     assert llm.resize_kv_cache(num_blocks=blocks)["num_blocks"] == blocks
     for level in (1, 2):
         engine = llm.engine
@@ -133,7 +112,7 @@ def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path
         llm.sleep(level=level)
         assert torch.cuda.mem_get_info()[0] - free_before >= 0.9 * released
         llm.wake_up()
-        assert run(llm, prompts, GREEDY) == expected
+        assert extkv_tokens(llm, prompts, GREEDY) == expected
     assert llm.engine.runner.graphs is graphs
     llm.close()
 

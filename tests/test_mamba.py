@@ -445,17 +445,7 @@ def triton_decode(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
     return conv_out, y
 
 
-def check_decode_kernels(
-    heads: int,
-    head_dim: int,
-    groups: int,
-    state: int,
-    kernel: int,
-    dtype: torch.dtype,
-    device: str,
-    tol: float,
-) -> None:
-    case = DecodeCase.random(heads, head_dim, groups, state, kernel, dtype, device)
+def check_decode_kernels(case: DecodeCase, tol: float) -> None:
     want_conv_out, want_y, want_ssm, want_conv = reference_decode(case, LIMIT)
     conv_out, y = triton_decode(case)
     torch.testing.assert_close(conv_out, want_conv_out, rtol=tol, atol=tol)
@@ -485,9 +475,8 @@ def test_decode_kernels_interpreted() -> None:
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernels_gpu(shape: dict, dtype: torch.dtype) -> None:
-    check_decode_kernels(
-        **shape, dtype=dtype, device="cuda", tol=2e-2 if dtype != torch.float32 else 1e-4
-    )
+    case = DecodeCase.random(**shape, dtype=dtype, device="cuda")
+    check_decode_kernels(case, tol=2e-2 if dtype != torch.float32 else 1e-4)
 
 
 @pytest.mark.gpu
@@ -587,4 +576,4 @@ if __name__ == "__main__":
     patch_interpreter_masks()
     torch.manual_seed(0)
     for shape in KERNEL_SHAPES:
-        check_decode_kernels(**shape, dtype=torch.float32, device="cpu", tol=1e-5)
+        check_decode_kernels(DecodeCase.random(**shape, dtype=torch.float32, device="cpu"), 1e-5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from extkv import LLM, SamplingParams
-from helpers import make_mamba_checkpoint
+from helpers import extkv_tokens, make_mamba_checkpoint
 
 # `bamba` (conftest): one attention layer among four Mamba layers, four state groups.
 OPTIONS = dict(cpu_memory_budget_bytes=64 << 20, max_model_len=96, max_num_seqs=4)
@@ -32,11 +32,6 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     return outputs
 
 
-def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.mark.parametrize("extensible", [False, True])
 @pytest.mark.parametrize("family", ["mamba2", "bamba"])
 def test_greedy_matches_transformers_with_chunked_prefill(
@@ -46,13 +41,13 @@ def test_greedy_matches_transformers_with_chunked_prefill(
     expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
     # 8 tokens a step: the 30- and 17-token prompts are prefilled in several chunks.
     llm = LLM(path, enable_extensible_kv_cache=extensible, max_num_batched_tokens=8, **OPTIONS)
-    assert tokens(llm, PROMPTS) == expected
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     assert len({tuple(t) for t in expected}) == len(expected)
 
 
 def test_hybrid_preemption_recomputes_the_state(bamba: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = tokens(LLM(bamba, **OPTIONS), PROMPTS, params)
+    expected = extkv_tokens(LLM(bamba, **OPTIONS), PROMPTS, params)
     roomy = LLM(bamba, **OPTIONS)
     plan = roomy.engine.runner.kv_plan
     assert (len(plan.attention_groups), len(plan.state_groups)) == (1, 4)
@@ -60,17 +55,17 @@ def test_hybrid_preemption_recomputes_the_state(bamba: Path) -> None:
     # past its first block while another holds the rest, and is preempted.
     assert plan.block_size < 30 + params.max_tokens
     tight = LLM(bamba, num_gpu_blocks_override=2 * plan.blocks_per_seq(1), **OPTIONS)
-    assert tokens(tight, PROMPTS, params) == expected
+    assert extkv_tokens(tight, PROMPTS, params) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.block_manager.num_used_blocks_by_group == [0] * 5
 
 
 def test_pure_mamba_with_few_blocks_queues_requests(mamba2: Path) -> None:
     """One state block per sequence and two blocks: requests wait their turn."""
-    expected = tokens(LLM(mamba2, **OPTIONS), PROMPTS)
+    expected = extkv_tokens(LLM(mamba2, **OPTIONS), PROMPTS, GREEDY)
     tight = LLM(mamba2, num_gpu_blocks_override=2, **OPTIONS)
     assert tight.engine.runner.kv_plan.blocks_per_seq(10_000) == 1
-    assert tokens(tight, PROMPTS) == expected
+    assert extkv_tokens(tight, PROMPTS, GREEDY) == expected
     assert tight.engine.block_manager.num_used_blocks == 0
 
 
@@ -121,7 +116,7 @@ def test_hybrid_of_any_ratio_matches_transformers(hybrid, extensible: bool) -> N
     assert [g.kind for g in plan.groups] == kinds
     size = len(plan.groups[-1].layer_names)
     assert len(llm.engine.kv_cache.config.tensors) == size  # shared by position
-    assert tokens(llm, PROMPTS) == expected
+    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     blocks = llm.engine.block_manager
     assert blocks.num_used_blocks_by_group == [0] * len(kinds) and blocks.num_used_blocks == 0
     report = llm.memory_report()
@@ -137,9 +132,9 @@ def test_hybrid_groups_preempt_and_recompute(hybrid) -> None:
     blocks in every group, and recomputed: the same tokens, nothing left held."""
     path, kinds, _ = hybrid
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = tokens(LLM(path, **OPTIONS), PROMPTS, params)
+    expected = extkv_tokens(LLM(path, **OPTIONS), PROMPTS, params)
     plan = LLM(path, **OPTIONS).engine.runner.kv_plan
     tight = LLM(path, num_gpu_blocks_override=2 * plan.blocks_per_seq(1), **OPTIONS)
-    assert tokens(tight, PROMPTS, params) == expected
+    assert extkv_tokens(tight, PROMPTS, params) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.block_manager.num_used_blocks_by_group == [0] * len(kinds)

@@ -15,7 +15,19 @@ from safetensors.torch import load_file, save_file
 from extkv import LLM, SamplingParams
 from extkv.models import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, check_tensor_parallel
 from extkv.models.loader import load_model
-from helpers import deepseek_checkpoint, extkv_logits, extkv_tokens, hf_greedy, hf_logits
+from helpers import (
+    DEEPSEEK_MOE,
+    GREEDY_16,
+    TINY_ENGINE,
+    TINY_ENGINE_CPU,
+    TINY_ENGINE_CUDA,
+    assert_legacy_equals_extensible,
+    deepseek_checkpoint,
+    extkv_logits,
+    extkv_tokens,
+    hf_greedy,
+    hf_logits,
+)
 
 # V2-Lite's rope: YaRN with both mscales set and unequal, so the cos/sin factor and the
 # softmax scale's correction both differ from 1.
@@ -31,30 +43,7 @@ YARN = {
 }
 LATENT, ROPE = 32, 16  # demo._MLA_TINY's kv_lora_rank, qk_rope_head_dim
 LAYERS = 3  # deepseek_checkpoint's
-# Block size 16: two prompts span several blocks; a step of at most 32 tokens cuts the
-# 45-token prompt into chunks, the later ones attending to a cached prefix.
-SMALL = dict(
-    cpu_memory_budget_bytes=128 << 20,
-    max_model_len=128,
-    max_num_seqs=8,
-    max_num_batched_tokens=32,
-    block_size=16,
-)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75))]
-# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 16 tokens.
-GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
-
-
-# Layers 1 and 2 route each token to 2 of 8 experts in 2 groups (1 kept), plus a shared one.
-MOE = dict(
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-)
 
 
 @pytest.fixture(scope="module", params=["v2", "v3"])
@@ -72,9 +61,9 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         ("deepseek_v3", {"rope_parameters": YARN}),
         ("deepseek_v3", {"rope_interleave": False, "tie_word_embeddings": False}),
         ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True}),
-        ("deepseek_v2", MOE),
-        ("deepseek_v2", {**MOE, "topk_method": "group_limited_greedy", "mlp_bias": True}),
-        ("deepseek_v3", {**MOE, "norm_topk_prob": False}),
+        ("deepseek_v2", DEEPSEEK_MOE),
+        ("deepseek_v2", {**DEEPSEEK_MOE, "topk_method": "group_limited_greedy", "mlp_bias": True}),
+        ("deepseek_v3", {**DEEPSEEK_MOE, "norm_topk_prob": False}),
     ],
     ids=[
         "v2-yarn",
@@ -116,9 +105,11 @@ def test_greedy_and_chunked_prefill_match_transformers(deepseek: Path) -> None:
     """Greedy tokens (16 absorbed decode steps each) equal transformers'. The 45-token
     prompt goes in chunks of 32 and 13, the second attending to latents the first cached:
     its prompt logprobs equal transformers' of the whole prompt."""
-    expected = hf_greedy(deepseek, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
-    llm = LLM(deepseek, enable_extensible_kv_cache=True, **SMALL)
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    expected = hf_greedy(
+        deepseek, PROMPTS, GREEDY_16.max_tokens, min_new_tokens=GREEDY_16.min_tokens
+    )
+    llm = LLM(deepseek, enable_extensible_kv_cache=True, **TINY_ENGINE)
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
     prompt = PROMPTS[1]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -135,7 +126,7 @@ def test_greedy_and_chunked_prefill_match_transformers(deepseek: Path) -> None:
 def assert_latent_cache(llm: LLM) -> None:
     """Per token and layer the KV cache holds kv_lora_rank + qk_rope_head_dim values."""
     report = llm.memory_report()
-    block_size = SMALL["block_size"]
+    block_size = TINY_ENGINE["block_size"]
     assert report["bytes_per_block"] == LAYERS * block_size * (LATENT + ROPE) * 4  # fp32
     assert report["kv_cache_bytes"] >= report["num_blocks"] * report["bytes_per_block"]
     cache = llm.engine.kv_cache
@@ -146,17 +137,7 @@ def assert_latent_cache(llm: LLM) -> None:
 
 @pytest.mark.parametrize("deepseek", ["v2"], indirect=True)
 def test_legacy_and_extensible_are_identical_over_latent_caches(deepseek: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    outputs = []
-    for extensible in (False, True):
-        llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **SMALL)
-        assert llm.memory_report()["extensible"] is extensible
-        assert_latent_cache(llm)
-        run = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
-        outputs.append([o.outputs[0] for o in run])
-    legacy, extensible = outputs
-    assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]
-    assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]  # to the bit
+    assert_legacy_equals_extensible(deepseek, PROMPTS, check=assert_latent_cache)
 
 
 @pytest.mark.parametrize("deepseek", ["v3"], indirect=True)
@@ -164,10 +145,10 @@ def test_prefix_caching_keeps_outputs(deepseek: Path) -> None:
     """Later requests start from the cached latents of the shared 32-token prefix."""
     shared = list(range(100, 132))
     prompts_ = [[*shared, 1, 2, 3], [*shared, 4, 5], shared]
-    plain = LLM(deepseek, **SMALL)
-    cached = LLM(deepseek, enable_prefix_caching=True, **SMALL)
-    expected = extkv_tokens(plain, prompts_, GREEDY)
-    assert [extkv_tokens(cached, [p], GREEDY)[0] for p in prompts_] == expected
+    plain = LLM(deepseek, **TINY_ENGINE)
+    cached = LLM(deepseek, enable_prefix_caching=True, **TINY_ENGINE)
+    expected = extkv_tokens(plain, prompts_, GREEDY_16)
+    assert [extkv_tokens(cached, [p], GREEDY_16)[0] for p in prompts_] == expected
 
 
 def tiny_config(version: str, **overrides: object) -> transformers.PretrainedConfig:
@@ -190,16 +171,16 @@ def tiny_config(version: str, **overrides: object) -> transformers.PretrainedCon
 
 
 def test_unsupported_expert_routing_is_refused() -> None:
-    config = tiny_config("v2", **MOE, topk_method="noaux_tc")
+    config = tiny_config("v2", **DEEPSEEK_MOE, topk_method="noaux_tc")
     with pytest.raises(ValueError, match=r"topk_method 'noaux_tc'.*'greedy', 'group_limited"):
         DeepseekV2ForCausalLM(config)
-    config = tiny_config("v3", **{**MOE, "n_group": None})
+    config = tiny_config("v3", **{**DEEPSEEK_MOE, "n_group": None})
     with pytest.raises(ValueError, match=r"needs n_group and topk_group; got n_group=None"):
         DeepseekV3ForCausalLM(config)
 
 
 def test_experts_on_several_ranks_are_refused(tmp_path: Path) -> None:
-    tiny_config("v3", **MOE).save_pretrained(tmp_path)
+    tiny_config("v3", **DEEPSEEK_MOE).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: mixture-of-experts layers"):
         check_tensor_parallel(tmp_path, 2)
 
@@ -219,24 +200,12 @@ def test_heads_the_ranks_cannot_split_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("deepseek", ["v3"], indirect=True)
 def test_two_ranks_equal_one(deepseek: Path) -> None:
     """Each rank holds two of the four heads and the whole latent (gloo on the CPU)."""
-    expected = extkv_tokens(LLM(deepseek, **SMALL), PROMPTS, GREEDY)
-    llm = LLM(deepseek, tensor_parallel_size=2, **SMALL)
+    expected = extkv_tokens(LLM(deepseek, **TINY_ENGINE), PROMPTS, GREEDY_16)
+    llm = LLM(deepseek, tensor_parallel_size=2, **TINY_ENGINE)
     try:
-        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     finally:
         llm.close()
-
-
-# On CUDA, against the CPU's tokens: fp32 so that they are the CPU's; a few blocks and a
-# small budget, so that the tiny model's KV cache leaves the GPU to the other tests.
-ON_CPU = dict(SMALL, device="cpu")
-CUDA = dict(
-    SMALL,
-    device="cuda",
-    dtype=torch.float32,
-    num_gpu_blocks_override=256,
-    gpu_memory_utilization=0.05,
-)
 
 
 @pytest.mark.gpu
@@ -245,10 +214,10 @@ CUDA = dict(
 def test_cuda_graphs_equal_the_cpu(deepseek: Path, extensible: bool) -> None:
     """Decode graphs captured over the latent store and the paged attention kernel (one
     KV head, the latent row as key and value) give the CPU's tokens."""
-    expected = extkv_tokens(LLM(deepseek, **ON_CPU), PROMPTS, GREEDY)
-    llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **CUDA)
+    expected = extkv_tokens(LLM(deepseek, **TINY_ENGINE_CPU), PROMPTS, GREEDY_16)
+    llm = LLM(deepseek, enable_extensible_kv_cache=extensible, **TINY_ENGINE_CUDA)
     try:
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
-        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     finally:
         llm.close()

@@ -15,24 +15,25 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from extkv import LLM, SamplingParams
+from extkv import LLM
 from extkv.demo import make_random_checkpoint
 from extkv.models import Qwen3MoeForCausalLM, check_tensor_parallel
 from extkv.models.loader import load_model
 from extkv.models.moe import MixtureOfExperts
-from helpers import deepseek_checkpoint, extkv_logits, extkv_tokens, hf_greedy, hf_logits
-
-# DeepSeek: layers 1 and 2 of 3 route each token to 2 of 8 experts (in 2 groups, 1 kept,
-# where the router groups), plus a shared one.
-DEEPSEEK_MOE = dict(
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
+from helpers import (
+    DEEPSEEK_MOE,
+    GREEDY_16,
+    TINY_ENGINE,
+    TINY_ENGINE_CPU,
+    TINY_ENGINE_CUDA,
+    assert_legacy_equals_extensible,
+    deepseek_checkpoint,
+    extkv_logits,
+    extkv_tokens,
+    hf_greedy,
+    hf_logits,
 )
+
 # Qwen3-MoE (demo size: 2 of 8 experts, normalised weights): layer 1 of 3 keeps its dense MLP.
 QWEN3_MOE = dict(num_hidden_layers=3, mlp_only_layers=[1])
 
@@ -55,17 +56,7 @@ def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
-# Block size 16: the long prompt spans several blocks and goes in chunks of 32.
-SMALL = dict(
-    cpu_memory_budget_bytes=128 << 20,
-    max_model_len=128,
-    max_num_seqs=8,
-    max_num_batched_tokens=32,
-    block_size=16,
-)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [300, 12, 7]]
-# min_tokens (HF: min_new_tokens) holds EOS back, so every prompt decodes 16 tokens.
-GREEDY = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
 
 
 @pytest.mark.parametrize(
@@ -93,9 +84,11 @@ def test_qwen3_moe_logits_match_transformers(tmp_path: Path, overrides: dict) ->
 def test_greedy_matches_transformers(moe_model: Path) -> None:
     """Greedy tokens of several prompts (the 45-token one prefilled in chunks of 32 and 13,
     then 16 decode steps each) equal transformers'."""
-    expected = hf_greedy(moe_model, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
-    llm = LLM(moe_model, enable_extensible_kv_cache=True, **SMALL)
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    expected = hf_greedy(
+        moe_model, PROMPTS, GREEDY_16.max_tokens, min_new_tokens=GREEDY_16.min_tokens
+    )
+    llm = LLM(moe_model, enable_extensible_kv_cache=True, **TINY_ENGINE)
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     assert len({tuple(t) for t in expected}) > 1  # the model does not babble one token
 
 
@@ -104,24 +97,17 @@ def test_qwen3_moe_sliding_window_matches_transformers(tmp_path: Path) -> None:
     their generations are longer), as transformers'."""
     window = dict(use_sliding_window=True, sliding_window=8)
     make_random_checkpoint(tmp_path, "qwen3_moe", with_tokenizer=False, **QWEN3_MOE, **window)
-    expected = hf_greedy(tmp_path, PROMPTS, GREEDY.max_tokens, min_new_tokens=GREEDY.min_tokens)
-    llm = LLM(tmp_path, **SMALL)
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    expected = hf_greedy(
+        tmp_path, PROMPTS, GREEDY_16.max_tokens, min_new_tokens=GREEDY_16.min_tokens
+    )
+    llm = LLM(tmp_path, **TINY_ENGINE)
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     unwindowed = make_checkpoint(tmp_path / "unwindowed", "qwen3-moe")  # the same weights
-    assert extkv_tokens(LLM(unwindowed, **SMALL), PROMPTS, GREEDY) != expected
+    assert extkv_tokens(LLM(unwindowed, **TINY_ENGINE), PROMPTS, GREEDY_16) != expected
 
 
 def test_legacy_and_extensible_are_identical(moe_model: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    outputs = []
-    for extensible in (False, True):
-        llm = LLM(moe_model, enable_extensible_kv_cache=extensible, **SMALL)
-        assert llm.memory_report()["extensible"] is extensible
-        run = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
-        outputs.append([o.outputs[0] for o in run])
-    legacy, extensible = outputs
-    assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]
-    assert [o.logprobs for o in legacy] == [o.logprobs for o in extensible]  # to the bit
+    assert_legacy_equals_extensible(moe_model, PROMPTS)
 
 
 def test_per_expert_tensors_fill_the_stacked_experts(tmp_path: Path) -> None:
@@ -150,23 +136,23 @@ def test_load_weights_fills_the_stacked_experts(moe_model: Path, tmp_path: Path)
     """`LLM.load_weights` with another checkpoint's tensors (experts by checkpoint name)
     gives that checkpoint's tokens."""
     other = make_random_checkpoint(tmp_path, "qwen3_moe", with_tokenizer=False, seed=1, **QWEN3_MOE)
-    expected = extkv_tokens(LLM(other, **SMALL), PROMPTS, GREEDY)
-    llm = LLM(moe_model, **SMALL)
-    assert extkv_tokens(llm, PROMPTS, GREEDY) != expected
+    expected = extkv_tokens(LLM(other, **TINY_ENGINE), PROMPTS, GREEDY_16)
+    llm = LLM(moe_model, **TINY_ENGINE)
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) != expected
     llm.load_weights(load_file(other / "model.safetensors").items())
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     # transformers 5 holds the experts stacked (experts.gate_up_proj, experts.down_proj):
     # its state_dict() fills them whole, and so does a checkpoint saved that way.
     llm.load_weights(load_file(moe_model / "model.safetensors").items())
-    assert extkv_tokens(llm, PROMPTS, GREEDY) != expected
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) != expected
     state = transformers.AutoModelForCausalLM.from_pretrained(other).state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
     llm.load_weights(state.items())
-    assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+    assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     stacked = tmp_path / "stacked"
     shutil.copytree(other, stacked)
     save_file({k: v.clone() for k, v in state.items()}, stacked / "model.safetensors")
-    assert extkv_tokens(LLM(stacked, **SMALL), PROMPTS, GREEDY) == expected
+    assert extkv_tokens(LLM(stacked, **TINY_ENGINE), PROMPTS, GREEDY_16) == expected
     del state["model.layers.2.mlp.experts.down_proj"]
     save_file({k: v.clone() for k, v in state.items()}, stacked / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensors: model.layers.2.mlp.experts.down_proj$"):
@@ -205,31 +191,19 @@ def test_configs_extkv_cannot_run_are_refused(tmp_path: Path) -> None:
 def test_bad_fused_moe_setting_is_refused(moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXTKV_FUSED_MOE", "on")
     with pytest.raises(ValueError, match=r"EXTKV_FUSED_MOE must be 0 .* or 1 .*, got 'on'"):
-        LLM(moe_model, **SMALL)
-
-
-# On CUDA, against the CPU's tokens: fp32 so that they are the CPU's; a few blocks and a
-# small budget, so that the tiny model's KV cache leaves the GPU to the other tests.
-ON_CPU = dict(SMALL, device="cpu")
-CUDA = dict(
-    SMALL,
-    device="cuda",
-    dtype=torch.float32,
-    num_gpu_blocks_override=256,
-    gpu_memory_utilization=0.05,
-)
+        LLM(moe_model, **TINY_ENGINE)
 
 
 @pytest.mark.gpu
 def test_cuda_graphs_over_fused_experts_equal_eager_and_the_cpu(moe_model: Path) -> None:
     """Decode graphs captured over the fused expert kernels give the tokens of an eager CUDA
     engine and of the CPU's reference loop."""
-    expected = extkv_tokens(LLM(moe_model, **ON_CPU), PROMPTS, GREEDY)
+    expected = extkv_tokens(LLM(moe_model, **TINY_ENGINE_CPU), PROMPTS, GREEDY_16)
     for eager in (False, True):
-        llm = LLM(moe_model, enforce_eager=eager, **CUDA)
+        llm = LLM(moe_model, enforce_eager=eager, **TINY_ENGINE_CUDA)
         try:
             assert bool(llm.engine.runner.graphs and llm.engine.runner.graphs.graphs) != eager
-            assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+            assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
         finally:
             llm.close()
 
@@ -241,12 +215,12 @@ def test_cuda_reference_loop_needs_eager_decode(
 ) -> None:
     """EXTKV_FUSED_MOE=0 runs the reference loop on CUDA: refused under graph capture, the
     CPU's tokens eagerly."""
-    expected = extkv_tokens(LLM(moe_model, **ON_CPU), PROMPTS, GREEDY)
+    expected = extkv_tokens(LLM(moe_model, **TINY_ENGINE_CPU), PROMPTS, GREEDY_16)
     monkeypatch.setenv("EXTKV_FUSED_MOE", "0")
     with pytest.raises(RuntimeError, match="enforce_eager=True"):
-        LLM(moe_model, **CUDA)
-    llm = LLM(moe_model, enforce_eager=True, **CUDA)
+        LLM(moe_model, **TINY_ENGINE_CUDA)
+    llm = LLM(moe_model, enforce_eager=True, **TINY_ENGINE_CUDA)
     try:
-        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
     finally:
         llm.close()

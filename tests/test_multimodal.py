@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
 from PIL import Image
 
 from extkv import LLM, SamplingParams
 from extkv.demo import IMAGE_TOKEN, make_random_llava
 from extkv.engine.errors import RequestFailedError
+from helpers import hf_greedy_with_images, multimodal_prompts
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -56,26 +56,6 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(path: Path, prompts: list[tuple[str, list]], max_new_tokens: int):
-    """transformers' prompt ids and greedy continuation of each (text, images) prompt."""
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    processor = transformers.AutoProcessor.from_pretrained(path)
-    ids, outputs = [], []
-    for text, images in prompts:
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
-        out = model.eval().generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        ids.append(inputs["input_ids"][0].tolist())
-        outputs.append(out[0, len(ids[-1]) :].tolist())
-    return ids, outputs
-
-
-def as_dicts(prompts: list[tuple[str, list]]) -> list[dict]:
-    return [
-        {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
-        for text, images in prompts
-    ]
-
-
 def tokens(outputs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -105,16 +85,16 @@ def test_greedy_matches_transformers(tower: str, extensible: bool, request) -> N
     """One image, two, none and a repeated one, as a batch and one by one: the same prompt
     ids as transformers' processor makes and the same greedy tokens."""
     path = request.getfixturevalue(tower)
-    expected_ids, expected = hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+    expected_ids, expected = hf_greedy_with_images(path, PROMPTS, GREEDY.max_tokens)
     llm = LLM(path, enable_extensible_kv_cache=extensible, **SMALL)
-    outputs = llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)
+    outputs = llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == expected_ids
     assert tokens(outputs) == expected
-    assert [tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in as_dicts(PROMPTS)] == (
-        expected
-    )
+    assert [
+        tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in multimodal_prompts(PROMPTS)
+    ] == (expected)
     # The images matter: another picture changes what follows.
-    other = llm.generate(as_dicts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
+    other = llm.generate(multimodal_prompts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
     assert tokens(other) != expected[:1]
     assert_nothing_leaked(llm)
     assert_encoder_cache_released(llm)
@@ -124,7 +104,7 @@ def test_greedy_matches_transformers(tower: str, extensible: bool, request) -> N
 def test_token_id_prompts_hold_one_placeholder_per_image(llava: Path, extensible: bool) -> None:
     llm = LLM(llava, enable_extensible_kv_cache=extensible, **SMALL)
     tokenizer = llm.get_tokenizer()
-    by_text = llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)
+    by_text = llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)
     by_ids = llm.generate(
         [
             {"prompt_token_ids": tokenizer.encode(text), "multi_modal_data": {"image": images}}
@@ -146,20 +126,20 @@ def test_token_id_prompts_hold_one_placeholder_per_image(llava: Path, extensible
 def test_chunked_prefill_across_an_image_encodes_it_once(llava: Path, extensible: bool) -> None:
     """Steps of 6 tokens: every image's 16 placeholders straddle chunk boundaries; the
     tokens are transformers', and each distinct image was encoded once."""
-    _, expected = hf_greedy(llava, PROMPTS, GREEDY.max_tokens)
+    _, expected = hf_greedy_with_images(llava, PROMPTS, GREEDY.max_tokens)
     llm = LLM(
         llava,
         enable_extensible_kv_cache=extensible,
         **{**SMALL, "max_num_batched_tokens": 6, "max_num_seqs": 2},
     )
     assert llm.memory_report()["encoder_cache_tokens"] == IMAGE_TOKENS  # one image at a time
-    for prompt, want in zip(as_dicts(PROMPTS), expected, strict=True):
+    for prompt, want in zip(multimodal_prompts(PROMPTS), expected, strict=True):
         assert tokens(llm.generate(prompt, GREEDY, use_tqdm=False)) == [want]
     # Images 1, 2, 3, then 1 again (evicted by then: the cache holds one image): each
     # encoded once, not once per chunk it spans.
     stats = llm.engine.stats()
     assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (4, 0)
-    assert tokens(llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+    assert tokens(llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert_nothing_leaked(llm)
     assert_encoder_cache_released(llm)
 
@@ -170,7 +150,7 @@ def test_n_completions_share_the_prompt_and_its_image(llava: Path) -> None:
     with it, they take the prompt's blocks, image positions included, and need it not."""
     for caching in (False, True):
         llm = LLM(llava, enable_prefix_caching=caching, **SMALL)
-        prompt = as_dicts(PROMPTS[:1])[0]
+        prompt = multimodal_prompts(PROMPTS[:1])[0]
         [one] = tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
         cache = llm.engine.scheduler.encoder_cache
         hits = cache.num_hits
@@ -187,7 +167,7 @@ def test_n_completions_share_the_prompt_and_its_image(llava: Path) -> None:
 def test_identical_images_share_one_entry_and_hit(llava: Path, extensible: bool) -> None:
     llm = LLM(llava, enable_extensible_kv_cache=extensible, **SMALL)
     same = [(f"{IMAGE_TOKEN} one", [image(5)]), (f"two {IMAGE_TOKEN}", [image(5)])]
-    llm.generate(as_dicts(same), GREEDY, use_tqdm=False)
+    llm.generate(multimodal_prompts(same), GREEDY, use_tqdm=False)
     stats = llm.engine.stats()
     assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (1, 1)
     assert stats.encoder_cache_entries == 1
@@ -209,10 +189,12 @@ def test_a_full_encoder_cache_evicts_what_no_request_holds(llava: Path) -> None:
     """A budget of one image: each new image evicts the last one, the runner drops its
     tensor, and the evicted image is a miss when it comes back."""
     llm = LLM(llava, **{**SMALL, "max_num_batched_tokens": 8, "max_num_seqs": 2})
-    expected = [tokens(llm.generate(p, GREEDY, use_tqdm=False)) for p in as_dicts(PROMPTS[:2])]
+    expected = [
+        tokens(llm.generate(p, GREEDY, use_tqdm=False)) for p in multimodal_prompts(PROMPTS[:2])
+    ]
     assert llm.engine.stats().encoder_cache_entries == 1  # image 3, the last one encoded
     assert len(llm.engine.runner.encoder_outputs) == 1
-    again = tokens(llm.generate(as_dicts(PROMPTS[:1]), GREEDY, use_tqdm=False))
+    again = tokens(llm.generate(multimodal_prompts(PROMPTS[:1]), GREEDY, use_tqdm=False))
     assert again == expected[0]
     assert llm.engine.stats().encoder_cache_misses == 4  # 1, 2, 3, then 1 again
 
@@ -243,10 +225,10 @@ def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path, extensible: 
     """Too few KV blocks for the batch (requests are preempted and recomputed, images
     encoded again or found), and prefix caching, whose blocks of placeholders are told
     apart by their images: the tokens stay transformers'."""
-    _, expected = hf_greedy(llava, PROMPTS, GREEDY.max_tokens)
+    _, expected = hf_greedy_with_images(llava, PROMPTS, GREEDY.max_tokens)
     tight_kv = {"num_gpu_blocks_override": 8, "block_size": 8, "max_model_len": 64}
     tight = LLM(llava, enable_extensible_kv_cache=extensible, **{**SMALL, **tight_kv})
-    assert tokens(tight.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+    assert tokens(tight.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert tight.engine.stats().num_preemptions > 0
     assert_nothing_leaked(tight)
     assert_encoder_cache_released(tight)
@@ -258,14 +240,17 @@ def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path, extensible: 
     )
     text = f"a long enough prefix of words {IMAGE_TOKEN} and then more words"
     same_text = [(text, [image(1)]), (text, [image(4)])]
-    ids, want = hf_greedy(llava, same_text, GREEDY.max_tokens)
-    for prompt, tokens_wanted in zip(as_dicts(same_text), want, strict=True):
+    ids, want = hf_greedy_with_images(llava, same_text, GREEDY.max_tokens)
+    for prompt, tokens_wanted in zip(multimodal_prompts(same_text), want, strict=True):
         assert tokens(cached.generate(prompt, GREEDY, use_tqdm=False)) == [tokens_wanted]
     # Another image: only the whole blocks before it come from the cache.
     offset = ids[0].index(cached.get_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN))
     assert cached.engine.stats().num_cached_prompt_tokens == offset // 8 * 8 > 0
     # The first image again: every whole block but the last token's.
-    assert tokens(cached.generate(as_dicts(same_text[:1]), GREEDY, use_tqdm=False)) == want[:1]
+    assert (
+        tokens(cached.generate(multimodal_prompts(same_text[:1]), GREEDY, use_tqdm=False))
+        == want[:1]
+    )
     again = (len(ids[0]) - 1) // 8 * 8
     assert cached.engine.stats().num_cached_prompt_tokens == offset // 8 * 8 + again
 
@@ -274,10 +259,10 @@ def test_two_ranks_encode_alike(llava: Path) -> None:
     """Tensor parallel: every rank holds the vision tower and its own encoder cache, kept
     in step by the step inputs (images to encode, entries to drop); chunks of 6 tokens."""
     options = {**SMALL, "max_num_batched_tokens": 6, "max_num_seqs": 2}
-    _, expected = hf_greedy(llava, PROMPTS, GREEDY.max_tokens)
+    _, expected = hf_greedy_with_images(llava, PROMPTS, GREEDY.max_tokens)
     llm = LLM(llava, tensor_parallel_size=2, **options)
     try:
-        assert tokens(llm.generate(as_dicts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+        assert tokens(llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
         assert_encoder_cache_released(llm)
     finally:
         llm.close()
@@ -388,7 +373,7 @@ def test_a_failed_step_forgets_the_images_it_was_to_encode(
     assert cache.num_entries == 0 and cache.num_misses == 1
     assert (
         tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
-        == hf_greedy(llava, [(prompt["prompt"], [image(12)])], GREEDY.max_tokens)[1]
+        == hf_greedy_with_images(llava, [(prompt["prompt"], [image(12)])], GREEDY.max_tokens)[1]
     )
     assert (cache.num_misses, cache.num_hits) == (2, 0)
     assert_nothing_leaked(llm)
@@ -455,7 +440,7 @@ def test_chat_takes_image_parts(llava: Path, tmp_path: Path, extensible: bool) -
     chat = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
     text = f"USER: {IMAGE_TOKEN}\n{IMAGE_TOKEN}\n{IMAGE_TOKEN}\nWhat is in these?\nASSISTANT:"
     images = [image(1), image(2), image(3)]
-    plain = llm.generate(as_dicts([(text, images)]), GREEDY, use_tqdm=False)
+    plain = llm.generate(multimodal_prompts([(text, images)]), GREEDY, use_tqdm=False)
     assert tokens(chat) == tokens(plain)
     assert chat[0].prompt_token_ids == plain[0].prompt_token_ids
     assert_encoder_cache_released(llm)
@@ -467,7 +452,7 @@ def test_chat_with_a_string_template_puts_placeholders_before_the_text(llava: Pa
     part = {"type": "image_url", "image_url": {"url": png_data_url(image(1))}}
     content = [{"type": "text", "text": "hi"}, part]
     chat = llm.chat([{"role": "user", "content": content}], GREEDY, chat_template=template)
-    plain = llm.generate(as_dicts([(f"{IMAGE_TOKEN}\nhi|", [image(1)])]), GREEDY)
+    plain = llm.generate(multimodal_prompts([(f"{IMAGE_TOKEN}\nhi|", [image(1)])]), GREEDY)
     assert chat[0].prompt_token_ids == plain[0].prompt_token_ids
     assert tokens(chat) == tokens(plain)
 
@@ -511,7 +496,7 @@ def test_cuda_graphs_legacy_equals_extensible_and_chunks_change_nothing(llava: P
     for extra in ({}, {"enable_extensible_kv_cache": True}, {"max_num_batched_tokens": 8}):
         llm = LLM(llava, max_num_seqs=8, **options, **extra)
         assert llm.engine.runner.graphs is not None
-        runs.append(tokens(llm.generate(as_dicts(PROMPTS), params, use_tqdm=False)))
+        runs.append(tokens(llm.generate(multimodal_prompts(PROMPTS), params, use_tqdm=False)))
         report = llm.memory_report()
         assert report["encoder_cache_bytes"] > 0 and report["encoder_activation_peak_bytes"] > 0
         assert_nothing_leaked(llm)

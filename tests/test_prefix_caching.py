@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from extkv import LLM, SamplingParams
-from helpers import make_mamba_checkpoint
+from helpers import extkv_tokens, make_mamba_checkpoint
 
 OPTIONS = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 SHARED = list(range(40, 90))  # 50 tokens: three full blocks of 16
@@ -16,34 +16,29 @@ PROMPTS = [[*SHARED, 7, 8, 9], [*SHARED, 100], [*SHARED[:20], 3, 3, 3], [1, 2]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.mark.parametrize("extensible", [False, True])
 def test_shared_prefixes_are_reused_and_change_nothing(qwen3: Path, extensible: bool) -> None:
-    expected = tokens(LLM(qwen3, **OPTIONS), PROMPTS)
+    expected = extkv_tokens(LLM(qwen3, **OPTIONS), PROMPTS, GREEDY)
     llm = LLM(qwen3, enable_prefix_caching=True, enable_extensible_kv_cache=extensible, **OPTIONS)
     blocks = llm.engine.block_manager
-    assert tokens(llm, PROMPTS[:1]) == expected[:1]
+    assert extkv_tokens(llm, PROMPTS[:1], GREEDY) == expected[:1]
     assert blocks.num_cached_tokens == 0  # nothing to reuse yet
     # The first prompt's three full blocks were remembered: the second prompt takes all
     # three (48 tokens), the third the one block it shares.
-    assert tokens(llm, PROMPTS[1:]) == expected[1:]
+    assert extkv_tokens(llm, PROMPTS[1:], GREEDY) == expected[1:]
     assert blocks.num_cached_tokens == 48 + 16
     assert blocks.num_used_blocks == 0  # cached blocks are free, only remembered
     # A prompt that is entirely cached still computes its last token.
-    assert tokens(llm, PROMPTS[:1]) == expected[:1]
+    assert extkv_tokens(llm, PROMPTS[:1], GREEDY) == expected[:1]
     assert blocks.num_cached_tokens == 48 + 16 + 48
 
 
 def test_preemption_with_prefix_caching(qwen3: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [[*SHARED, i] for i in range(6)]
-    expected = tokens(LLM(qwen3, **OPTIONS), prompts, params)
+    expected = extkv_tokens(LLM(qwen3, **OPTIONS), prompts, params)
     tight = LLM(qwen3, enable_prefix_caching=True, num_gpu_blocks_override=16, **OPTIONS)
-    assert tokens(tight, prompts, params) == expected
+    assert extkv_tokens(tight, prompts, params) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.block_manager.num_cached_tokens > 0
     assert tight.engine.block_manager.num_used_blocks == 0

@@ -11,6 +11,7 @@ import torch
 from extkv import LLM, SamplingParams
 from extkv.engine.errors import EngineDeadError, RequestFailedError
 from extkv.engine.model_runner import ModelRunner
+from helpers import extkv_tokens
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 PROMPT_A, PROMPT_B = [5, 6, 7, 8, 9], [11, 12, 13]
@@ -22,11 +23,6 @@ def llm(request: pytest.FixtureRequest, qwen3: Path) -> LLM:
     llm = LLM(qwen3, async_scheduling=request.param, **SMALL)
     yield llm
     llm.close()
-
-
-def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def fail_steps_of(monkeypatch: pytest.MonkeyPatch, prompt: list[int], error: Exception) -> None:
@@ -48,19 +44,19 @@ def test_values_no_tensor_can_hold_are_refused_and_a_huge_top_k_truncates_nothin
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     seeded = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
-    huge = tokens(llm, [PROMPT_A], SamplingParams(top_k=2**63 - 1, **seeded))
-    assert huge == tokens(llm, [PROMPT_A], SamplingParams(top_k=-1, **seeded))
+    huge = extkv_tokens(llm, [PROMPT_A], SamplingParams(top_k=2**63 - 1, **seeded))
+    assert huge == extkv_tokens(llm, [PROMPT_A], SamplingParams(top_k=-1, **seeded))
 
 
 def test_tiny_temperatures_are_greedy(llm: LLM) -> None:
-    greedy = tokens(llm, [PROMPT_A])
+    greedy = extkv_tokens(llm, [PROMPT_A], GREEDY)
     for temperature in (1e-40, 1e-6):
         params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True)
-        assert tokens(llm, [PROMPT_A], params) == greedy
+        assert extkv_tokens(llm, [PROMPT_A], params) == greedy
 
 
 def test_a_failing_step_fails_only_its_requests(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    expected = tokens(llm, [PROMPT_A])[0]
+    expected = extkv_tokens(llm, [PROMPT_A], GREEDY)[0]
     engine = llm.engine
     fail_steps_of(monkeypatch, PROMPT_B, RuntimeError("boom"))
     a = engine.add_request(PROMPT_A, GREEDY)
@@ -78,25 +74,25 @@ def test_a_failing_step_fails_only_its_requests(llm: LLM, monkeypatch: pytest.Mo
 def test_generate_raises_the_failure_and_stays_usable(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = tokens(llm, [PROMPT_A, PROMPT_B])
+    expected = extkv_tokens(llm, [PROMPT_A, PROMPT_B], GREEDY)
     with monkeypatch.context() as patch:
         fail_steps_of(patch, PROMPT_B, RuntimeError("boom"))
         with pytest.raises(RequestFailedError, match="failed: RuntimeError: boom"):
-            tokens(llm, [PROMPT_A, PROMPT_B])
+            extkv_tokens(llm, [PROMPT_A, PROMPT_B], GREEDY)
     assert not llm.engine.scheduler.has_unfinished()  # nothing left queued
     assert llm.engine.block_manager.num_used_blocks == 0
-    assert tokens(llm, [PROMPT_A, PROMPT_B]) == expected
+    assert extkv_tokens(llm, [PROMPT_A, PROMPT_B], GREEDY) == expected
 
 
 def test_an_interrupted_generate_leaves_nothing_queued(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = tokens(llm, [PROMPT_A])
+    expected = extkv_tokens(llm, [PROMPT_A], GREEDY)
     with monkeypatch.context() as patch:
         fail_steps_of(patch, PROMPT_A, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
-            tokens(llm, [PROMPT_A, PROMPT_B])
-    assert tokens(llm, [PROMPT_A]) == expected
+            extkv_tokens(llm, [PROMPT_A, PROMPT_B], GREEDY)
+    assert extkv_tokens(llm, [PROMPT_A], GREEDY) == expected
 
 
 def test_a_device_error_kills_the_engine_for_good(
@@ -105,9 +101,9 @@ def test_a_device_error_kills_the_engine_for_good(
     llm = LLM(qwen3, **SMALL)
     fail_steps_of(monkeypatch, PROMPT_B, torch.AcceleratorError("CUDA error: illegal address"))
     with pytest.raises(EngineDeadError, match="illegal address"):
-        tokens(llm, [PROMPT_B])
+        extkv_tokens(llm, [PROMPT_B], GREEDY)
     with pytest.raises(EngineDeadError):
-        tokens(llm, [PROMPT_A])
+        extkv_tokens(llm, [PROMPT_A], GREEDY)
     llm.close()
 
 
@@ -116,4 +112,4 @@ def test_generate_after_close_says_so(qwen3: Path) -> None:
     llm.close()
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
-        tokens(llm, [PROMPT_A])
+        extkv_tokens(llm, [PROMPT_A], GREEDY)

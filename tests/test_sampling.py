@@ -15,6 +15,7 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.engine.outputs import RequestOutput
+from helpers import greedy
 
 SMALL = dict(
     dtype=torch.float32,
@@ -42,10 +43,6 @@ def hf(qwen3: Path) -> transformers.PreTrainedModel:
 
 def run(llm: LLM, prompts: list[list[int]], params) -> list[RequestOutput]:
     return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-
-
-def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 @torch.no_grad()
@@ -248,7 +245,7 @@ def test_n_completions_differ_and_are_reproducible(llm: LLM, qwen3: Path) -> Non
     assert [c.index for c in out.outputs] == [0, 1, 2]
     choices = [c.token_ids for c in out.outputs]
     assert len({tuple(c) for c in choices}) == 3
-    in_batch = run(llm, [PROMPTS[1], PROMPTS[0]], [greedy(), params])[1]
+    in_batch = run(llm, [PROMPTS[1], PROMPTS[0]], [greedy(12), params])[1]
     assert [c.token_ids for c in in_batch.outputs] == choices
     single = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     assert run(llm, PROMPTS[:1], single)[0].outputs[0].token_ids == choices[0]
@@ -286,5 +283,5 @@ def test_skip_special_tokens(llm: LLM) -> None:
 def test_logit_bias_outside_the_vocabulary_is_refused(llm: LLM) -> None:
     vocab = llm.engine.vocab_size
     with pytest.raises(ValueError, match=rf"logit_bias token ids must be in \[0, {vocab}\)"):
-        run(llm, PROMPTS[:2], [greedy(), greedy(logit_bias={vocab: 1.0})])
+        run(llm, PROMPTS[:2], [greedy(12), greedy(12, logit_bias={vocab: 1.0})])
     assert not llm.engine.has_unfinished_requests()

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from extkv import LLM
-from extkv.demo import make_random_checkpoint
 from extkv.engine.model_runner import ModelRunner
 from live_server import ENGINE, MODEL, PROMPT, Server, running, serving
 
@@ -28,12 +27,7 @@ LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def servers(qwen3: Path, tmp_path_factory: pytest.TempPathFactory):
     """A server with the defaults, and a strict one (small read timeout and connection
     cap, big bodies, one CORS origin), started together."""
     logs = tmp_path_factory.mktemp("logs")
@@ -44,8 +38,8 @@ def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         f"--allowed-origins={ORIGIN}",
     )
     with running(
-        Server(checkpoint, logs / "plain.log"),
-        Server(checkpoint, logs / "strict.log", *strict_flags),
+        Server(qwen3, logs / "plain.log"),
+        Server(qwen3, logs / "strict.log", *strict_flags),
     ) as both:
         yield both
 
@@ -88,7 +82,7 @@ def free_port() -> int:
 
 
 def test_a_failed_step_is_that_requests_500_or_last_chunk(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The model's forward raises for any batch holding a doomed prompt once it has
     `after` tokens (as a device fault would): those requests fail, the rest carry on."""
@@ -108,7 +102,7 @@ def test_a_failed_step_is_that_requests_500_or_last_chunk(
         return execute(self, plan)
 
     monkeypatch.setattr(ModelRunner, "execute", faulty)
-    llm = LLM(checkpoint, device="cpu", **ENGINE)
+    llm = LLM(qwen3, device="cpu", **ENGINE)
     with serving(llm) as url:
         fine = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
         doomed_body = {**fine, "prompt": [1, 2, 3]}
@@ -147,9 +141,9 @@ def spawned_children(parent: int) -> list[int]:
 
 
 def test_a_killed_worker_fails_the_stream_and_the_server_exits_non_zero(
-    checkpoint: Path, tmp_path: Path
+    qwen3: Path, tmp_path: Path
 ) -> None:
-    server = Server(checkpoint, tmp_path / "tp.log", "--tensor-parallel-size=2")
+    server = Server(qwen3, tmp_path / "tp.log", "--tensor-parallel-size=2")
     try:
         server.wait_ready(timeout=240)
         with httpx.stream(
@@ -322,8 +316,8 @@ def test_connections_past_the_cap_get_503(strict: Server) -> None:
 # --- shutting down -----------------------------------------------------------------------
 
 
-def test_sigterm_aborts_a_long_stream_and_exits_0(checkpoint: Path, tmp_path: Path) -> None:
-    server = Server(checkpoint, tmp_path / "term.log", "--shutdown-timeout=1")
+def test_sigterm_aborts_a_long_stream_and_exits_0(qwen3: Path, tmp_path: Path) -> None:
+    server = Server(qwen3, tmp_path / "term.log", "--shutdown-timeout=1")
     try:
         server.wait_ready()
         with httpx.stream(

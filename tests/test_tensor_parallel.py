@@ -23,7 +23,7 @@ from extkv import LLM, SamplingParams
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.engine.errors import EngineDeadError
 from extkv.engine.workers import WorkerError
-from helpers import children, started_children
+from helpers import children, extkv_tokens, started_children
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 100, 120], [17] * 3, list(range(30, 71)), [125, 3]]  # < Bamba's 128
@@ -45,11 +45,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=383,
         num_key_value_heads=1,
     )
-
-
-def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 _OLDER_CHILDREN: set[int] = set()
@@ -87,12 +82,14 @@ def test_two_ranks_equal_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     path = request.getfixturevalue(family)
-    expected = tokens(LLM(path, enable_extensible_kv_cache=extensible, **options))
+    expected = extkv_tokens(
+        LLM(path, enable_extensible_kv_cache=extensible, **options), PROMPTS, GREEDY
+    )
     assert len({tuple(t) for t in expected}) > 1
     with caplog.at_level(logging.INFO, logger="extkv"):
         llm = LLM(path, enable_extensible_kv_cache=extensible, tensor_parallel_size=2, **options)
     try:
-        assert tokens(llm) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
         report = llm.memory_report()
         assert len(report["graph_pool_bytes_per_rank"]) == 2
         agreed = [r.getMessage() for r in caplog.records if "every rank uses" in r.getMessage()]
@@ -105,11 +102,11 @@ def test_two_ranks_equal_one(
 
 def test_eager_decode_on_two_ranks(qwen3: Path) -> None:
     """Without the static decode path every step goes to the workers as eager inputs."""
-    expected = tokens(LLM(qwen3, enforce_eager=True, **QWEN3_OPTIONS))
+    expected = extkv_tokens(LLM(qwen3, enforce_eager=True, **QWEN3_OPTIONS), PROMPTS, GREEDY)
     llm = LLM(qwen3, enforce_eager=True, tensor_parallel_size=2, **QWEN3_OPTIONS)
     try:
         assert llm.engine.runner.graphs is None
-        assert tokens(llm) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     finally:
         llm.close()
 
@@ -162,11 +159,11 @@ def test_worker_killed_while_serving_is_reported(qwen3: Path) -> None:
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
-        tokens(llm)
+        extkv_tokens(llm, PROMPTS, GREEDY)
     assert time.monotonic() - start < 1  # the closed connection, not the heartbeat timeout
     assert not child_pids()
     with pytest.raises(EngineDeadError):  # the engine stays failed, it does not hang
-        tokens(llm)
+        extkv_tokens(llm, PROMPTS, GREEDY)
     llm.close()
 
 
@@ -191,7 +188,7 @@ def test_hung_worker_is_reported(qwen3: Path) -> None:
         assert 1 <= time.monotonic() - start < 2 + 3
         assert not child_pids()
         with pytest.raises(EngineDeadError, match="missed its heartbeat"):
-            tokens(llm)  # the engine stays failed, it does not hang
+            extkv_tokens(llm, PROMPTS, GREEDY)  # the engine stays failed, it does not hang
     finally:
         if pid in worker_pids():
             os.kill(pid, signal.SIGKILL)  # a stopped process takes no other signal
@@ -204,11 +201,11 @@ def test_busy_workers_are_not_taken_for_hung(qwen3: Path) -> None:
     a collective for several timeouts (here waiting for the next step, as in a long
     step) is not flagged, and serves the next step."""
     timeout = 1.0
-    expected = tokens(LLM(qwen3, **QWEN3_OPTIONS))
+    expected = extkv_tokens(LLM(qwen3, **QWEN3_OPTIONS), PROMPTS, GREEDY)
     llm = LLM(qwen3, tensor_parallel_size=2, worker_heartbeat_timeout=timeout, **QWEN3_OPTIONS)
     try:
         time.sleep(3 * timeout)
-        assert tokens(llm) == expected
+        assert extkv_tokens(llm, PROMPTS, GREEDY) == expected
     finally:
         llm.close()
     assert not child_pids()
@@ -252,12 +249,12 @@ def test_two_gpus_extensible_equals_legacy(
     prompts = [torch.randint(1, 151936, (n,), generator=gen).tolist() for n in (5, 300, 37, 120)]
     options = dict(tensor_parallel_size=2, max_model_len=1024, max_num_seqs=32)
     legacy = LLM(path, **options)
-    expected = tokens(legacy, prompts)
+    expected = extkv_tokens(legacy, prompts, GREEDY)
     legacy.close()
     with caplog.at_level(logging.INFO, logger="extkv"):
         extensible = LLM(path, enable_extensible_kv_cache=True, **options)
     try:
-        assert tokens(extensible, prompts) == expected
+        assert extkv_tokens(extensible, prompts, GREEDY) == expected
         report = extensible.memory_report()
         assert len(report["graph_pool_bytes_per_rank"]) == 2
         assert min(report["graph_pool_bytes_per_rank"]) > 0

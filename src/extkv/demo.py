@@ -115,6 +115,22 @@ QWEN3_0_6B_SHAPE = dict(
     initializer_range=0.02,
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The tiny text model every architecture starts from (its own `_ARCHITECTURES` defaults
+# and the caller's overrides on top); LLaVA's language model too.
+_TINY_TEXT: dict[str, object] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=0,
+    bos_token_id=0,
+    pad_token_id=0,
+    # Larger than the usual 0.02, so greedy decoding wanders over the vocabulary
+    # instead of repeating one token: tests then notice a wrong step.
+    initializer_range=0.3,
+)
 
 
 def train_tokenizer(
@@ -164,22 +180,7 @@ def make_random_checkpoint(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-        # Larger than the usual 0.02, so greedy decoding wanders over the vocabulary
-        # instead of repeating one token: tests then notice a wrong step.
-        initializer_range=0.3,
-    )
+    common = {**_TINY_TEXT, "vocab_size": vocab_size, "tie_word_embeddings": tie_word_embeddings}
     if architecture not in _ARCHITECTURES:
         raise ValueError(
             f"architecture must be one of {sorted(_ARCHITECTURES)}; got {architecture!r}"
@@ -211,8 +212,16 @@ LLAVA_CHAT_TEMPLATE = (
     "{{ part['text'] }}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-# Tiny vision towers: 28 x 28 images in 7 x 7 patches, 16 image tokens; the feature layer
-# reads the first of two layers (LLaVA's -2).
+# Tiny vision towers: 28 x 28 images in 7 x 7 patches, 16 image tokens; LLaVA's feature
+# layer reads the first of two layers (its -2).
+_TINY_VISION: dict[str, object] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=28,
+    patch_size=7,
+)
 _VISION_TOWERS: dict[str, tuple[str, str, dict[str, object]]] = {
     "clip": ("CLIPVisionConfig", "default", {"projection_dim": 32}),
     "siglip": ("SiglipVisionConfig", "full", {}),
@@ -265,33 +274,11 @@ def make_random_llava(
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     vision_name, strategy, vision_defaults = _VISION_TOWERS[vision]
     vision_config = getattr(transformers, vision_name)(
-        **{
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "image_size": 28,
-            "patch_size": 7,
-            **vision_defaults,
-            **(vision_overrides or {}),
-        }
+        **{**_TINY_VISION, **vision_defaults, **(vision_overrides or {})}
     )
     config_name, _, text_defaults = _ARCHITECTURES[text_architecture]
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-        initializer_range=0.3,  # see make_random_checkpoint
-        **text_defaults,
-    )
-    text_config = getattr(transformers, config_name)(**{**text, **(text_overrides or {})})
+    text = {**_TINY_TEXT, "vocab_size": len(tokenizer), **text_defaults, **(text_overrides or {})}
+    text_config = getattr(transformers, config_name)(**text)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     config = transformers.LlavaConfig(
         vision_config=vision_config,
@@ -420,29 +407,13 @@ def make_random_gemma3(
     tokenizer.add_special_tokens({"bos_token": "<bos>"})
     tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     vision_config = transformers.SiglipVisionConfig(
-        **{
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "image_size": 28,
-            "patch_size": 7,
-            "vision_use_head": False,
-            **(vision_overrides or {}),
-        }
+        **{**_TINY_VISION, "vision_use_head": False, **(vision_overrides or {})}
     )
     _, _, text_defaults = _ARCHITECTURES["gemma3"]
     text = {
+        **_TINY_TEXT,
         "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 1024,
-        "eos_token_id": 0,
         "bos_token_id": tokenizer.bos_token_id,
-        "pad_token_id": 0,
-        "initializer_range": 0.3,  # see make_random_checkpoint
         "tie_word_embeddings": False,  # a head of its own: tokens wander more
         **text_defaults,
         **(text_overrides or {}),

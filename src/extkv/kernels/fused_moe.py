@@ -351,44 +351,33 @@ def fused_experts(
         num_stages=tiles.num_stages,
         **launch,
     )
-    activated = x.new_empty(num_pairs, inner)
-    _expert_gemm_kernel[(num_blocks, triton.cdiv(inner, tiles.block_n))](
-        x,
-        gate_up,
-        activated,
-        sorted_pairs,
-        block_experts,
-        num_pairs,
-        inner,
-        hidden,
-        top_k,
-        x.stride(0),
-        gate_up.stride(0),
-        gate_up.stride(1),
-        activated.stride(0),
-        GATED=True,
-        GATHER=True,
-        **gemm,
-    )
-    rows = x.new_empty(num_pairs, hidden)
-    _expert_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        activated,
-        down,
-        rows,
-        sorted_pairs,
-        block_experts,
-        num_pairs,
-        hidden,
-        inner,
-        top_k,
-        activated.stride(0),
-        down.stride(0),
-        down.stride(1),
-        rows.stride(0),
-        GATED=False,
-        GATHER=False,
-        **gemm,
-    )
+
+    def expert_gemm(a: torch.Tensor, w: torch.Tensor, n: int, k: int, first: bool) -> torch.Tensor:
+        """Every pair's row of `a` times its expert's `w` -> (pairs, n): the first GEMM
+        gathers x's rows by token and gates (silu(gate) * up), the second reads pair rows."""
+        product = a.new_empty(num_pairs, n)
+        _expert_gemm_kernel[(num_blocks, triton.cdiv(n, tiles.block_n))](
+            a,
+            w,
+            product,
+            sorted_pairs,
+            block_experts,
+            num_pairs,
+            n,
+            k,
+            top_k,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            product.stride(0),
+            GATED=first,
+            GATHER=first,
+            **gemm,
+        )
+        return product
+
+    activated = expert_gemm(x, gate_up, inner, hidden, first=True)
+    rows = expert_gemm(activated, down, hidden, inner, first=False)
     _weighted_sum_kernel[(tokens, triton.cdiv(hidden, _SUM_BLOCK))](
         rows,
         weights,
