@@ -227,12 +227,14 @@ def test_unknown_model_type_lists_the_supported(tmp_path: Path) -> None:
             "DeepseekV2ForCausalLM",
             "DeepseekV3ForCausalLM",
             "Gemma3ForCausalLM",
+            "Gemma3ForConditionalGeneration",
             "LlamaForCausalLM",
             "LlavaForConditionalGeneration",
             "Mamba2ForCausalLM",
             "MistralForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
         ]
     )
     with pytest.raises(ValueError, match=f"None \\(model_type 'gpt2'\\); supported: {supported}"):
