@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -460,7 +461,7 @@ def test_chat_with_a_string_template_puts_placeholders_before_the_text(llava: Pa
 @pytest.mark.parametrize(
     ("url", "match"),
     [
-        ("https://example.com/cat.png", "remote image URLs are not fetched"),
+        ("https://example.com/cat.png", "remote image URLs are fetched only from the hosts"),
         ("file:///etc/hostname", "outside --allowed-local-media-path"),
         ("data:image/png;base64,!!!", "payload is not valid base64"),
         ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not an image"),
@@ -502,3 +503,74 @@ def test_cuda_graphs_legacy_equals_extensible_and_chunks_change_nothing(llava: P
         assert_nothing_leaked(llm)
         llm.close()
     assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.fixture
+def image_host(tmp_path: Path) -> Iterator[str]:
+    """A local HTTP server on 127.0.0.1: /two.png an image, /big.png too many bytes,
+    /away a redirect to the same file on "localhost" (another host name), else 404.
+    Yields its base URL."""
+    import http.server
+    import threading
+
+    body = io.BytesIO()
+    image(2).save(body, format="PNG")
+    files = {"/two.png": body.getvalue(), "/big.png": bytes(2048)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}/two.png")
+                self.end_headers()
+                return
+            data = files.get(self.path)
+            self.send_response(200 if data else 404)
+            self.end_headers()
+            self.wfile.write(data or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    server.shutdown()
+    thread.join()
+
+
+def test_remote_images_come_from_the_allowed_hosts_only(
+    llava: Path, image_host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An http:// URL on an allowed host gives the tokens of the same image inline; a host
+    not listed, a redirect to one, a missing file and an oversized one are refused by a
+    ValueError that says which, and nothing is queued."""
+    from extkv.engine import chat_content
+
+    llm = LLM(llava, allowed_media_domains="127.0.0.1", **SMALL)
+    assert llm.engine.config.allowed_media_domains == ("127.0.0.1",)
+
+    def chat(url: str) -> list[list[int]]:
+        part = {"type": "image_url", "image_url": {"url": url}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]
+        return tokens(llm.chat(messages, GREEDY, use_tqdm=False))
+
+    assert chat(f"{image_host}/two.png") == chat(png_data_url(image(2)))
+    monkeypatch.setattr(chat_content, "MAX_IMAGE_BYTES", 1024)
+    for url, match in [
+        ("http://localhost/two.png", r"'localhost' is not one of --allowed-media-domains"),
+        (f"{image_host}/away", r"\(redirected\): 'localhost' is not one of"),
+        (f"{image_host}/none.png", "failed: HTTP 404"),
+        (f"{image_host}/big.png", "holds more than 1024 bytes"),
+    ]:
+        with pytest.raises(ValueError, match=r"image_url.*" + match):
+            chat(url)
+    assert_nothing_leaked(llm)
+
+
+@pytest.mark.parametrize("value", ["", [], ["https://a.org"], ["a.org/x"], 3])
+def test_bad_media_domains_are_refused_by_name(llava: Path, value: object) -> None:
+    with pytest.raises(ValueError, match=r"allowed_media_domains must be None or a non-empty"):
+        LLM(llava, allowed_media_domains=value, **SMALL)

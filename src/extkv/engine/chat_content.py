@@ -2,9 +2,10 @@
 
 A message's content is a string or a list of parts: `{"type": "text", "text": ...}` and
 `{"type": "image_url", "image_url": {"url": ...}}` (`LLM.chat` also takes
-`{"type": "image_pil", "image_pil": PIL.Image}`). Images come from `data:` URLs (base64)
-or, where the engine allows a folder (`allowed_local_media_path`), `file://` URLs inside
-it; remote URLs are refused (the engine fetches nothing).
+`{"type": "image_pil", "image_pil": PIL.Image}`). Images come from `data:` URLs (base64),
+from `file://` URLs inside the folder the engine allows (`allowed_local_media_path`), and
+from `http(s)://` URLs on the hosts it allows (`allowed_media_domains`, redirects
+included); with neither set, only `data:` URLs.
 
 Chat templates take content one of two ways, as vLLM tells them apart: templates that
 loop over a message's content get the parts as a list (`{"type": "image"}` where an image
@@ -18,11 +19,30 @@ import base64
 import binascii
 import io
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
 ContentFormat = Literal["string", "openai"]
+FETCH_TIMEOUT_S = 5.0  # a remote image's connection and each read (vLLM's default too)
+MAX_IMAGE_BYTES = 64 << 20  # a larger download is refused, not read to the end
+
+
+@dataclass(frozen=True)
+class MediaSources:
+    """Where images may come from besides `data:` URLs: a local folder (`file://`) and
+    the hosts `http(s)://` URLs may name (None: neither)."""
+
+    local_folder: str | None = None
+    domains: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> MediaSources:
+        """The sources an EngineConfig allows."""
+        return cls(config.allowed_local_media_path, config.allowed_media_domains)
 
 
 def content_format(template: str | None) -> ContentFormat:
@@ -51,9 +71,10 @@ def content_format(template: str | None) -> ContentFormat:
     return "string"
 
 
-def load_image_url(url: str, allowed_local_media_path: str | None, where: str) -> Any:
-    """The PIL image a `data:` or (inside `allowed_local_media_path`) `file://` URL holds;
-    ValueError naming `where` for anything else or for bytes that are not an image."""
+def load_image_url(url: str, sources: MediaSources, where: str) -> Any:
+    """The PIL image a `data:`, `file://` or `http(s)://` URL holds, the latter two where
+    `sources` allows them; ValueError naming `where` for anything else or for bytes that
+    are not an image."""
     from PIL import Image
 
     if not isinstance(url, str):
@@ -62,16 +83,14 @@ def load_image_url(url: str, allowed_local_media_path: str | None, where: str) -
     if scheme == "data":
         data = _data_url_bytes(url, where)
     elif scheme == "file":
-        data = _local_file_bytes(url, allowed_local_media_path, where)
+        data = _local_file_bytes(url, sources.local_folder, where)
     elif scheme in ("http", "https"):
-        raise ValueError(
-            f"{where}: remote image URLs are not fetched; send the image inline as a "
-            "data:image/...;base64 URL (or as a file:// URL inside --allowed-local-media-path)"
-        )
+        data = _remote_bytes(url, sources.domains, where)
     else:
         raise ValueError(
             f"{where}: image URLs must be data: URLs (or file:// URLs inside "
-            f"--allowed-local-media-path); got {url[:40]!r}"
+            "--allowed-local-media-path, http(s):// URLs on --allowed-media-domains); got "
+            f"{url[:40]!r}"
         )
     try:
         image = Image.open(io.BytesIO(data))
@@ -79,6 +98,47 @@ def load_image_url(url: str, allowed_local_media_path: str | None, where: str) -
     except Exception as e:  # PIL raises several kinds on bad data
         raise ValueError(f"{where}: the data is not an image PIL can read ({e})") from None
     return image
+
+
+def _check_host(url: str, domains: tuple[str, ...] | None, where: str) -> None:
+    host = urlparse(url).hostname or ""
+    if domains is None:
+        raise ValueError(
+            f"{where}: remote image URLs are fetched only from the hosts the engine allows "
+            "(--allowed-media-domains, allowed_media_domains); send the image inline as a "
+            "data:image/...;base64 URL instead"
+        )
+    if host.lower() not in domains:
+        raise ValueError(f"{where}: {host!r} is not one of --allowed-media-domains {list(domains)}")
+
+
+class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed host."""
+
+    def __init__(self, domains: tuple[str, ...] | None, where: str) -> None:
+        self.domains, self.where = domains, where
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_host(newurl, self.domains, f"{self.where} (redirected)")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _remote_bytes(url: str, domains: tuple[str, ...] | None, where: str) -> bytes:
+    """The body of `url` on an allowed host, at most MAX_IMAGE_BYTES, within
+    FETCH_TIMEOUT_S per wait."""
+    _check_host(url, domains, where)
+    opener = urllib.request.build_opener(_AllowedRedirects(domains, where))
+    try:
+        with opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"{where}: fetching {url[:80]!r} failed: HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ValueError(f"{where}: fetching {url[:80]!r} failed: {reason}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{where}: {url[:80]!r} holds more than {MAX_IMAGE_BYTES} bytes")
+    return data
 
 
 def _data_url_bytes(url: str, where: str) -> bytes:
@@ -116,7 +176,7 @@ def chat_inputs(
     messages: Sequence[Mapping[str, Any]],
     fmt: ContentFormat,
     placeholder: str | None,
-    allowed_local_media_path: str | None,
+    sources: MediaSources,
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """(the messages as the chat template takes them, their images in order). A message's
     parts become one string or a list (`fmt`); `placeholder` is the model's image token
@@ -142,7 +202,7 @@ def chat_inputs(
             elif kind in ("image_url", "image_pil"):
                 if placeholder is None:
                     raise ValueError(f"{where}: this model takes no images (no vision encoder)")
-                images.append(_part_image(part, kind, allowed_local_media_path, where))
+                images.append(_part_image(part, kind, sources, where))
                 parts.append({"type": "image"})
             else:
                 raise ValueError(
@@ -155,7 +215,7 @@ def chat_inputs(
     return out, images
 
 
-def _part_image(part: Mapping[str, Any], kind: str, folder: str | None, where: str) -> Any:
+def _part_image(part: Mapping[str, Any], kind: str, sources: MediaSources, where: str) -> Any:
     from PIL import Image
 
     if kind == "image_pil":
@@ -165,7 +225,7 @@ def _part_image(part: Mapping[str, Any], kind: str, folder: str | None, where: s
         return image
     ref = part.get("image_url")
     url = ref.get("url") if isinstance(ref, Mapping) else ref
-    return load_image_url(url, folder, f"{where}.image_url")
+    return load_image_url(url, sources, f"{where}.image_url")
 
 
 def _joined(parts: list[dict[str, Any]], placeholder: str | None) -> str:

@@ -73,6 +73,24 @@ def _media_folder(path: object) -> str | None:
     return os.path.realpath(path)
 
 
+def _media_domains(value: object) -> tuple[str, ...] | None:
+    """None, or host names (a list, or one string of them split by commas or spaces),
+    lowercased."""
+    if value is None:
+        return None
+    names = value.replace(",", " ").split() if isinstance(value, str) else value
+    if (
+        not isinstance(names, list | tuple)
+        or not names
+        or not all(isinstance(n, str) and n and "/" not in n and ":" not in n for n in names)
+    ):
+        raise ValueError(
+            "allowed_media_domains must be None or a non-empty list of host names (e.g. "
+            f"['upload.wikimedia.org']); got {value!r}"
+        )
+    return tuple(n.lower() for n in names)
+
+
 @dataclass
 class EngineConfig:
     """What `LLM(...)` accepts (the same names as vLLM's where vLLM has the option)."""
@@ -173,6 +191,12 @@ class EngineConfig:
         None,
         "a folder whose image files chat messages may name as file:// URLs (None: no local files)",
         Custom(_media_folder, "an existing folder", "FOLDER"),
+    )
+    allowed_media_domains: tuple[str, ...] | None = option(
+        None,
+        "hosts whose http(s):// image URLs chat messages may name, redirects included "
+        "(None: no remote images)",
+        Custom(_media_domains, "host names, comma-separated", "HOST[,HOST...]"),
     )
     worker_heartbeat_timeout: float = option(
         30.0,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from extkv.engine.chat_content import chat_inputs, content_format
+from extkv.engine.chat_content import MediaSources, chat_inputs, content_format
 from extkv.engine.config import EngineConfig
 from extkv.engine.errors import RequestFailedError
 from extkv.engine.llm_engine import LLMEngine
@@ -183,10 +183,10 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         fmt = content_format(chat_template or getattr(tokenizer, "chat_template", None))
         placeholder = self.engine.image_placeholder
-        folder = self.engine.config.allowed_local_media_path
+        sources = MediaSources.of(self.engine.config)
         prompts = []
         for conversation in conversations:
-            turns, images = chat_inputs(conversation, fmt, placeholder, folder)
+            turns, images = chat_inputs(conversation, fmt, placeholder, sources)
             text = tokenizer.apply_chat_template(
                 turns,
                 chat_template=chat_template,

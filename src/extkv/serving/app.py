@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from extkv import __version__
-from extkv.engine.chat_content import chat_inputs, content_format
+from extkv.engine.chat_content import MediaSources, chat_inputs, content_format
 from extkv.engine.elastic import SLEEP_LEVELS, TAGS
 from extkv.engine.errors import (
     EngineAsleepError,
@@ -232,7 +232,7 @@ class _Server:
         template = template or getattr(engine.tokenizer, "chat_template", None)
         self.content_format = content_format(template)
         self.image_placeholder = engine.image_placeholder
-        self.media_folder = engine.config.allowed_local_media_path
+        self.media_sources = MediaSources.of(engine.config)
         self.takes_images = engine.multimodal is not None
         self.process_multimodal = engine.process_multimodal
         self.created = int(time.time())
@@ -372,7 +372,7 @@ class _Server:
         placeholder runs) and the images; a 400 naming `messages` for an image that cannot
         be had or is not wanted. `whole` as in PromptEncoder.encode."""
         raw = [m.as_dict() for m in messages]
-        args = (raw, self.content_format, self.image_placeholder, self.media_folder)
+        args = (raw, self.content_format, self.image_placeholder, self.media_sources)
         turns, images = await self._checked(chat_inputs, "messages", *args)
         ids = await self.prompts.encode_chat(
             turns, add_generation_prompt, add_special_tokens, whole
