@@ -106,6 +106,23 @@ DEEPSEEK_MOE = dict(
     n_group=2,
     topk_group=1,
 )
+# Qwen3-MoE (demo size: 2 of 8 experts, normalised weights): layer 1 of 3 keeps its dense MLP.
+QWEN3_MOE = dict(num_hidden_layers=3, mlp_only_layers=[1])
+
+
+def moe_checkpoint(path: Path, model: str, **overrides: object) -> Path:
+    """The tiny random mixture-of-experts checkpoint `model` names ("qwen3-moe",
+    "deepseek-v2-moe", "deepseek-v3-moe"; fp32, no tokenizer), `overrides` on its config."""
+    if model == "qwen3-moe":
+        return make_random_checkpoint(
+            path, "qwen3_moe", with_tokenizer=False, **QWEN3_MOE | overrides
+        )
+    overrides = DEEPSEEK_MOE | overrides
+    if model == "deepseek-v2-moe":
+        overrides.setdefault("topk_method", "group_limited_greedy")
+    return deepseek_checkpoint(path, model.removesuffix("-moe").replace("-", "_"), **overrides)
+
+
 # A tiny model's engine (test_mla, test_moe). Block size 16: the long prompts span several
 # blocks; a step of at most 32 tokens cuts them into chunks, the later ones attending to a
 # cached prefix.
@@ -131,18 +148,25 @@ GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
 
 
 def assert_legacy_equals_extensible(
-    path: Path, prompts: list[list[int]], check: Callable[[LLM], None] | None = None
+    path: Path,
+    prompts: list[list[int]],
+    check: Callable[[LLM], None] | None = None,
+    **options: object,
 ) -> None:
     """16 greedy tokens of each prompt and their logprobs the same to the bit on the legacy
-    and the extensible KV cache (TINY_ENGINE); `check` looks at each engine first."""
+    and the extensible KV cache (TINY_ENGINE, `options` added: tensor_parallel_size...);
+    `check` looks at each engine first."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outputs = []
     for extensible in (False, True):
-        llm = LLM(path, enable_extensible_kv_cache=extensible, **TINY_ENGINE)
-        assert llm.memory_report()["extensible"] is extensible
-        if check is not None:
-            check(llm)
-        run = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        llm = LLM(path, enable_extensible_kv_cache=extensible, **TINY_ENGINE, **options)
+        try:
+            assert llm.memory_report()["extensible"] is extensible
+            if check is not None:
+                check(llm)
+            run = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        finally:
+            llm.close()
         outputs.append([o.outputs[0] for o in run])
     legacy, extensible = outputs
     assert [o.token_ids for o in legacy] == [o.token_ids for o in extensible]

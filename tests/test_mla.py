@@ -179,12 +179,6 @@ def test_unsupported_expert_routing_is_refused() -> None:
         DeepseekV3ForCausalLM(config)
 
 
-def test_experts_on_several_ranks_are_refused(tmp_path: Path) -> None:
-    tiny_config("v3", **DEEPSEEK_MOE).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: mixture-of-experts layers"):
-        check_tensor_parallel(tmp_path, 2)
-
-
 def test_unsupported_rope_type_lists_the_supported_ones() -> None:
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match=r"'dynamic'.*'default', 'linear', 'llama3', 'yarn'"):

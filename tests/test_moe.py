@@ -1,9 +1,9 @@
 """Mixture-of-experts models (Qwen3-MoE; DeepSeek V2/V3's routed and shared experts) on the
 CPU in fp32: extkv equals transformers (logits, greedy tokens), legacy equals extensible,
 the checkpoint's per-expert tensors (or transformers 5's stacked ones) fill the stacked
-experts or fail naming the tensor,
-and configs extkv cannot run are refused naming the field. On CUDA the decode graphs
-capture the fused expert kernels and give eager's and the CPU's tokens."""
+experts or fail naming the tensor, and configs extkv cannot run are refused naming the
+field. On CUDA the decode graphs capture the fused expert kernels and give eager's and the
+CPU's tokens. (Two ranks: test_moe_tensor_parallel.)"""
 
 from __future__ import annotations
 
@@ -17,43 +17,29 @@ from safetensors.torch import load_file, save_file
 
 from extkv import LLM
 from extkv.demo import make_random_checkpoint
-from extkv.models import Qwen3MoeForCausalLM, check_tensor_parallel
+from extkv.models import Qwen3MoeForCausalLM
 from extkv.models.loader import load_model
 from extkv.models.moe import MixtureOfExperts
 from helpers import (
-    DEEPSEEK_MOE,
     GREEDY_16,
+    QWEN3_MOE,
     TINY_ENGINE,
     TINY_ENGINE_CPU,
     TINY_ENGINE_CUDA,
     assert_legacy_equals_extensible,
-    deepseek_checkpoint,
     extkv_logits,
     extkv_tokens,
     hf_greedy,
     hf_logits,
+    moe_checkpoint,
 )
-
-# Qwen3-MoE (demo size: 2 of 8 experts, normalised weights): layer 1 of 3 keeps its dense MLP.
-QWEN3_MOE = dict(num_hidden_layers=3, mlp_only_layers=[1])
-
-
-def make_checkpoint(path: Path, model: str) -> Path:
-    """The tiny random checkpoint `model` names (fp32, no tokenizer)."""
-    if model == "qwen3-moe":
-        return make_random_checkpoint(path, "qwen3_moe", with_tokenizer=False, **QWEN3_MOE)
-    overrides = dict(DEEPSEEK_MOE)
-    if model == "deepseek-v2-moe":
-        overrides["topk_method"] = "group_limited_greedy"
-    return deepseek_checkpoint(path, model.removesuffix("-moe").replace("-", "_"), **overrides)
-
 
 MODELS = ("qwen3-moe", "deepseek-v2-moe", "deepseek-v3-moe")
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return moe_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 75)), [300, 12, 7]]
@@ -102,7 +88,7 @@ def test_qwen3_moe_sliding_window_matches_transformers(tmp_path: Path) -> None:
     )
     llm = LLM(tmp_path, **TINY_ENGINE)
     assert extkv_tokens(llm, PROMPTS, GREEDY_16) == expected
-    unwindowed = make_checkpoint(tmp_path / "unwindowed", "qwen3-moe")  # the same weights
+    unwindowed = moe_checkpoint(tmp_path / "unwindowed", "qwen3-moe")  # the same weights
     assert extkv_tokens(LLM(unwindowed, **TINY_ENGINE), PROMPTS, GREEDY_16) != expected
 
 
@@ -113,7 +99,7 @@ def test_legacy_and_extensible_are_identical(moe_model: Path) -> None:
 def test_per_expert_tensors_fill_the_stacked_experts(tmp_path: Path) -> None:
     """Expert e's gate, up and down land in row e of the stacked weights (gate rows then up
     rows); a missing or misshapen expert tensor is an error naming it."""
-    make_checkpoint(tmp_path, "qwen3-moe")
+    moe_checkpoint(tmp_path, "qwen3-moe")
     tensors = load_file(tmp_path / "model.safetensors")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     experts = model.model.layers[2].mlp.experts
@@ -175,16 +161,13 @@ def tiny_config(**overrides: object) -> transformers.Qwen3MoeConfig:
     return transformers.Qwen3MoeConfig(**{**fields, **overrides})
 
 
-def test_configs_extkv_cannot_run_are_refused(tmp_path: Path) -> None:
+def test_configs_extkv_cannot_run_are_refused() -> None:
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\].*got 5"):
         Qwen3MoeForCausalLM(tiny_config(num_experts_per_tok=5))
     with pytest.raises(ValueError, match=r"decoder_sparse_step must be a positive int, got 0"):
         Qwen3MoeForCausalLM(tiny_config(decoder_sparse_step=0))
     with pytest.raises(ValueError, match=r"hidden_act 'gelu' is not supported"):
         Qwen3MoeForCausalLM(tiny_config(hidden_act="gelu"))
-    tiny_config().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: mixture-of-experts layers"):
-        check_tensor_parallel(tmp_path, 2)
 
 
 @pytest.mark.parametrize("moe_model", ["qwen3-moe"], indirect=True)

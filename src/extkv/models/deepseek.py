@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from extkv.attention import MLAAttention
 from extkv.models.hf_config import rope_parameters
-from extkv.models.layers import GatedMLP, RMSNorm, mla_softmax_scale
+from extkv.models.layers import RMSNorm, mla_softmax_scale
 from extkv.models.llama import CausalLM, DecoderLayer, DecoderModel, _check_supported
 from extkv.models.moe import MixtureOfExperts, Router
 from extkv.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard, split_evenly
@@ -59,10 +59,13 @@ def _router(config: PretrainedConfig, sigmoid: bool) -> Router:
 def _experts(config: PretrainedConfig, sigmoid: bool) -> MixtureOfExperts:
     """A DeepSeek MoE layer: routed experts of `moe_intermediate_size` plus
     `n_shared_experts` shared ones fused into one MLP every token takes."""
-    inner, shared = config.moe_intermediate_size, config.n_shared_experts
-    bias = getattr(config, "mlp_bias", False)
-    shared_experts = GatedMLP(config.hidden_size, inner * shared, bias) if shared else None
-    return MixtureOfExperts(_router(config, sigmoid), config.hidden_size, inner, shared_experts)
+    return MixtureOfExperts(
+        _router(config, sigmoid),
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.n_shared_experts or 0,
+        getattr(config, "mlp_bias", False),
+    )
 
 
 def _replicated(in_features: int, out_features: int, bias: bool) -> ColumnParallelLinear:

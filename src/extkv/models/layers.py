@@ -217,6 +217,8 @@ class GatedMLP(nn.Module):
         return self.down_proj(gate_up, gated=True), residual
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) of x as it is, no norm before: a mixture-of-experts layer's
-        experts, which take the rows the layer's one norm produced."""
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        """down(silu(gate) * up) of x as it is, no norm before, and this rank's share of it
+        only: a mixture-of-experts layer's shared experts, which take the rows the layer's
+        one norm produced and whose shares the layer sums with its routed experts' in one
+        all-reduce."""
+        return self.down_proj(self.gate_up_proj(x), gated=True, reduce=False)

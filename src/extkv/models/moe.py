@@ -7,16 +7,24 @@ Checkpoints keep each expert's projections as tensors of their own
 each into its expert's slice of the stacked parameters. transformers 5 stacks them the
 same way in memory (`experts.gate_up_proj`, `experts.down_proj`): a `state_dict()` of its
 model fills them whole (`LLM.load_weights`).
+
+Under tensor parallelism every rank holds every expert, but only its slice of each
+expert's intermediate features (gate and up rows, down columns), as the dense MLP splits
+them; the router is replicated. Each rank's routed and shared experts give a partial
+output, summed over the ranks by one all-reduce per layer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from extkv.distributed import current_group
 from extkv.models import ops
-from extkv.models.layers import GatedMLP, RMSNorm, copy_weight
+from extkv.models.layers import GatedMLP, RMSNorm
+from extkv.models.parallel import load_shards, split_evenly, stacked
 
 ROUTER_METHODS = ("greedy", "group_limited_greedy", "sigmoid")
 
@@ -113,68 +121,79 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """The routed experts' weights, stacked: gate_up_proj (E, 2I, H), each expert's gate
     rows then up rows, and down_proj (E, H, I): the fused kernels' operands, filled from
-    the checkpoint's per-expert tensors."""
+    the checkpoint's per-expert tensors. Under tensor parallelism I is this rank's slice of
+    `intermediate_size` (the config's `moe_intermediate_size`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        inner = intermediate_size
+        self.num_experts = num_experts
+        self.shard = split_evenly(intermediate_size, "moe_intermediate_size")
+        inner = self.shard.size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner))
-        for param in self.parameters():
-            param.weight_loader = self.weight_loader
+        # Each parameter's intermediate features lie along a dim of its own.
+        self.gate_up_proj.weight_loader = functools.partial(self.weight_loader, inner_dim=1)
+        self.down_proj.weight_loader = functools.partial(self.weight_loader, inner_dim=2)
 
     def checkpoint_parts(self, param_name: str) -> list[str]:
         """The checkpoint tensors (names under this module) that fill `param_name`."""
         projections = ("gate_proj", "up_proj") if param_name == "gate_up_proj" else ("down_proj",)
         return [f"{e}.{p}.weight" for e in range(self.num_experts) for p in projections]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
-        """Copy checkpoint tensor `part` ("{expert}.{projection}.weight") into its slice,
-        or (`part` None) the whole stacked tensor, laid out as transformers 5 stacks it."""
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, part: str | None, *, inner_dim: int
+    ) -> None:
+        """Copy this rank's slice of checkpoint tensor `part` ("{expert}.{projection}.weight")
+        into its expert, or (`part` None) of the whole stacked tensor, laid out as
+        transformers 5 stacks it; `inner_dim`: the stacked dim of the intermediate features
+        (gate_up_proj's 1, gate rows then up rows; down_proj's 2)."""
+        shard = self.shard
         if part is None:
-            copy_weight(param.data, loaded)
+            shards = stacked([shard, shard]) if inner_dim == 1 else [shard]
+            load_shards(param.data, loaded, shards, dim=inner_dim)
             return
         expert, projection, _ = part.split(".")
         dst = param.data[int(expert)]
-        inner = self.intermediate_size
-        if projection == "gate_proj":
-            dst = dst[:inner]
-        elif projection == "up_proj":
-            dst = dst[inner:]
-        copy_weight(dst, loaded)
+        if projection == "down_proj":
+            load_shards(dst, loaded, [shard], dim=1)
+            return
+        rows = dst[: shard.size] if projection == "gate_proj" else dst[shard.size :]
+        load_shards(rows, loaded, [shard])
 
 
 class MixtureOfExperts(nn.Module):
     """A mixture-of-experts MLP: each token through the experts its router picks, weighted,
-    plus the shared experts every token takes (DeepSeek's; None for Qwen3-MoE). Called as
-    `GatedMLP` is: one RMSNorm before, its residual add fused in."""
+    plus the `n_shared_experts` shared experts every token takes (DeepSeek's, of the routed
+    experts' size, fused into one `GatedMLP`; none for Qwen3-MoE). Called as `GatedMLP` is:
+    one RMSNorm before, its residual add fused in."""
 
     def __init__(
         self,
         gate: Router,
         hidden_size: int,
         intermediate_size: int,
-        shared_experts: GatedMLP | None = None,
+        n_shared_experts: int = 0,
+        shared_bias: bool = False,
     ) -> None:
         super().__init__()
-        tp = current_group().size
-        if tp > 1:
-            raise ValueError(
-                f"tensor_parallel_size={tp}: mixture-of-experts layers run on one rank only "
-                "for now (tensor_parallel_size=1)"
-            )
+        self.tp = current_group()
         self.gate = gate
+        # Before the shared experts: an indivisible size is refused as moe_intermediate_size.
         self.experts = Experts(gate.weight.shape[0], hidden_size, intermediate_size)
-        self.shared_experts = shared_experts
+        self.shared_experts = (
+            GatedMLP(hidden_size, intermediate_size * n_shared_experts, shared_bias)
+            if n_shared_experts
+            else None
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `GatedMLP.forward`: (experts' output of `norm(x, residual)`, residual stream)."""
+        """As `GatedMLP.forward`: (experts' output of `norm(x, residual)`, summed over the
+        ranks once, routed and shared together; the residual stream)."""
         h, residual = norm(x, residual)
         weights, indices = self.gate(h)
         shared = None if self.shared_experts is None else self.shared_experts.feed_forward(h)
         experts = self.experts
         out = ops.moe_experts(h, experts.gate_up_proj, experts.down_proj, weights, indices, shared)
-        return out, residual
+        return self.tp.all_reduce(out), residual

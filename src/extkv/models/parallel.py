@@ -157,8 +157,9 @@ class RowParallelLinear(nn.Linear):
         self.tp = current_group()
         self.weight.weight_loader = shard_loader(shard, dim=1)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """This rank's partial product, summed over the ranks (the bias on rank 0 only).
+    def forward(self, x: torch.Tensor, gated: bool = False, reduce: bool = True) -> torch.Tensor:
+        """This rank's partial product, summed over the ranks (the bias on rank 0 only);
+        `reduce` False leaves the sum to the caller, who adds other partials first.
         `gated`: x is a gated MLP's (T, 2 in_features), gate then up, and the layer takes
         silu(gate) * up, fused into a decode step's GEMV (`ops.silu_and_mul_linear`)."""
         bias = self.bias if self.tp.rank == 0 else None
@@ -167,7 +168,7 @@ class RowParallelLinear(nn.Linear):
             if gated
             else ops.linear(x, self.weight, bias)
         )
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if reduce else y
 
 
 class VocabParallelEmbedding(nn.Embedding):
