@@ -104,7 +104,10 @@ def test_repeated_images_hit_the_encoder_cache(vlm_server: Server) -> None:
             "not an image",
         ),
         ([image_part("file://{media}/broken.png")], "not an image"),
-        ([image_part("https://example.com/cat.png")], "remote image URLs are fetched only from the hosts"),
+        (
+            [image_part("https://example.com/cat.png")],
+            "remote image URLs are fetched only from the hosts",
+        ),
         ([image_part("file:///etc/hostname")], "outside --allowed-local-media-path"),
         ([image_part("file://{media}/missing.png")], "cannot read"),
         ([image_part(png_data_url(image(1)))] * 3, "limit_mm_per_prompt={'image': 2}"),
