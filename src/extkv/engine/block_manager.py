@@ -129,8 +129,9 @@ class BlockManager:
         self.remember_computed(seq)
 
     def remember_computed(self, seq: Sequence) -> None:
-        """Record `seq`'s newly full, computed blocks whose tokens the host knows, by
-        content; `seq.block_hashes` carries the chain, so each block is hashed once."""
+        """Record `seq`'s newly full, computed blocks whose tokens the host knows, in each
+        group, by content; `seq.block_hashes` carries the chain, so each block is hashed
+        once."""
         if not self.prefix_caching:
             return
         size = self.block_size
