@@ -149,13 +149,13 @@ def test_full_computed_blocks_are_found_by_content() -> None:
     a = computed(manager, list(range(10)), "a")  # blocks of 0-3 and 4-7 are full
     assert len(a.block_hashes) == 2
     full = table(a)[:2]
-    assert manager.cached_prefix(make_seq([*range(8), 50])) == full
-    assert manager.cached_prefix(make_seq([*range(10), 60, 61])) == full  # 3rd block partial
+    assert manager.cached_prefix(make_seq([*range(8), 50])) == (full,)
+    assert manager.cached_prefix(make_seq([*range(10), 60, 61])) == (full,)  # 3rd block partial
     # Its last token is always computed (its logits are needed): 8 tokens take 1 block.
-    assert manager.cached_prefix(make_seq(list(range(8)))) == full[:1]
-    assert manager.cached_prefix(make_seq([0, 1, 2, 3, 9, 9, 9, 9, 9])) == full[:1]
+    assert manager.cached_prefix(make_seq(list(range(8)))) == (full[:1],)
+    assert manager.cached_prefix(make_seq([0, 1, 2, 3, 9, 9, 9, 9, 9])) == (full[:1],)
     # A block is known by everything before it too, not by its own tokens alone.
-    assert manager.cached_prefix(make_seq([9, 9, 9, 9, 4, 5, 6, 7, 8])) == []
+    assert manager.cached_prefix(make_seq([9, 9, 9, 9, 4, 5, 6, 7, 8])) == ()
 
 
 def test_only_computed_tokens_are_remembered() -> None:
@@ -164,16 +164,16 @@ def test_only_computed_tokens_are_remembered() -> None:
     manager.allocate(seq, 12)
     seq.num_computed_tokens = 5  # a first prefill chunk
     manager.remember_computed(seq)
-    assert manager.cached_prefix(make_seq(list(range(13)))) == table(seq)[:1]
+    assert manager.cached_prefix(make_seq(list(range(13)))) == (table(seq)[:1],)
     seq.num_computed_tokens = 12
     manager.remember_computed(seq)
-    assert manager.cached_prefix(make_seq(list(range(13)))) == table(seq)[:3]
+    assert manager.cached_prefix(make_seq(list(range(13)))) == (table(seq)[:3],)
 
 
 def test_without_prefix_caching_nothing_is_shared() -> None:
     manager = BlockManager(8, ATTENTION)
     computed(manager, list(range(9)))
-    assert manager.cached_prefix(make_seq(list(range(9)))) == []
+    assert manager.cached_prefix(make_seq(list(range(9)))) == ()
 
 
 def test_reuse_shares_blocks_until_the_last_holder_frees_them() -> None:
@@ -181,9 +181,9 @@ def test_reuse_shares_blocks_until_the_last_holder_frees_them() -> None:
     a = computed(manager, list(range(9)), "a")  # 3 blocks, 2 full
     b = make_seq([*range(8), 70, 71], "b")
     cached = manager.cached_prefix(b)
-    assert cached == table(a)[:2]
+    assert cached == (table(a)[:2],)
     manager.reuse(b, cached)
-    assert (table(b), b.num_computed_tokens) == (cached, 8)
+    assert (table(b), b.num_computed_tokens) == (cached[0], 8)
     assert manager.num_cached_tokens == 8
     manager.allocate(b, len(b))
     assert len(table(b)) == 3 and table(b)[2] != table(a)[2]
@@ -201,7 +201,7 @@ def test_room_counts_reused_blocks_that_are_free() -> None:
     manager.free(computed(manager, list(range(9))))  # 3 blocks, 2 cached, all free
     seq = make_seq([*range(8), 1, 2, 3, 4])  # 12 tokens: 3 blocks, 2 of them cached
     cached = manager.cached_prefix(seq)
-    assert len(cached) == 2
+    assert len(cached[0]) == 2
     assert manager.can_hold(seq, 12, reusing=cached)
     # 13 tokens need 2 blocks beyond the reused ones: of the 3 free, 2 are those.
     assert not manager.can_hold(seq, 13, reusing=cached)
@@ -216,11 +216,11 @@ def test_least_recently_freed_goes_first_and_forgets_its_content() -> None:
     fresh = make_seq([5, 5, 5], "fresh")
     manager.allocate(fresh, 3)
     assert table(fresh) == [3]  # the never-used block: the cache is untouched
-    assert manager.cached_prefix(prompt) == [first, second]
+    assert manager.cached_prefix(prompt) == ([first, second],)
     other = make_seq([6, 6, 6], "other")
     manager.allocate(other, 3)
     assert table(other) == [first]  # handed out again: its content is gone
-    assert manager.cached_prefix(prompt) == []
+    assert manager.cached_prefix(prompt) == ()
 
 
 def test_a_twin_block_never_unregisters_the_cached_one() -> None:
@@ -229,24 +229,68 @@ def test_a_twin_block_never_unregisters_the_cached_one() -> None:
     manager = BlockManager(6, ATTENTION, prefix_caching=True)
     a = computed(manager, list(range(5)), "a")
     twin = computed(manager, list(range(5)), "twin")
-    assert manager.cached_prefix(make_seq(list(range(6)))) == table(a)[:1]
+    assert manager.cached_prefix(make_seq(list(range(6)))) == (table(a)[:1],)
     twin_blocks = set(table(twin))
     manager.free(twin)
     filler = make_seq([7] * 16, "filler")  # takes every free block, twin's among them
     manager.allocate(filler, 16)
     assert twin_blocks <= set(table(filler))
-    assert manager.cached_prefix(make_seq(list(range(6)))) == table(a)[:1]
+    assert manager.cached_prefix(make_seq(list(range(6)))) == (table(a)[:1],)
 
 
-def test_prefix_caching_needs_one_full_attention_group() -> None:
+def test_prefix_caching_is_refused_with_mamba_state() -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching needs a model without Mamba"):
         BlockManager(8, HYBRID, prefix_caching=True)
     with pytest.raises(ValueError, match="cannot be shared block by block"):
         BlockManager(8, MAMBA, prefix_caching=True)
-    with pytest.raises(ValueError, match="without sliding-window attention"):
-        BlockManager(8, LOCAL_GLOBAL, prefix_caching=True)
-    with pytest.raises(ValueError, match=r"one KV cache group, this one has 2 \(full_attention\)"):
-        BlockManager(8, kv_groups(4, full=2), prefix_caching=True)
+    with pytest.raises(ValueError, match="enable_prefix_caching needs a model without Mamba"):
+        BlockManager(8, kv_groups(4, full=0, windows=(6,), mamba=1), prefix_caching=True)
+
+
+def test_each_group_caches_its_own_blocks_a_window_only_what_it_still_sees() -> None:
+    """Local and global groups (window 6, blocks of 4): both remember a's full blocks under
+    the same keys; a's window group releases its first three, which stay cached while
+    free. A prompt sharing 16 tokens takes the global group's four blocks and, of the
+    window group's, the two that the query at 16 sees (12-16: blocks 2 and 3)."""
+    manager = BlockManager(12, LOCAL_GLOBAL, prefix_caching=True)
+    a = computed(manager, list(range(17)), "a")
+    local = list(table(a, 1))
+    manager.release_out_of_window(a)
+    assert table(a, 1)[:3] == [NO_BLOCK] * 3 and manager.num_used_blocks_by_group == [5, 2]
+    b = make_seq([*range(16), 99], "b")
+    cached = manager.cached_prefix(b)
+    assert cached == (table(a)[:4], [NO_BLOCK, NO_BLOCK, *local[2:4]])
+    assert manager.blocks_missing(b, 17) == 10
+    manager.reuse(b, cached)
+    assert b.num_computed_tokens == 16 and b.num_released_blocks == [0, 2]
+    # One released block taken back from the free ones, the rest shared with a.
+    assert manager.num_used_blocks_by_group == [5, 3] and manager.num_cached_tokens == 16
+    assert manager.blocks_missing(b, 17) == 2
+    manager.allocate(b, 17)
+    manager.free(a)
+    manager.free(b)
+    assert manager.num_used_blocks == 0 and manager.num_used_blocks_by_group == [0, 0]
+
+
+def test_a_window_block_gone_from_the_pool_shortens_the_hit() -> None:
+    """The global group still caches all of a's 16 tokens, but the window group lost its
+    block 3 (dropped by a shrink): 16 tokens cannot be served, 12 can (the query at 12
+    sees blocks 1 and 2); with block 1 gone too, nothing can."""
+    manager = BlockManager(12, LOCAL_GLOBAL, prefix_caching=True)
+    a = computed(manager, list(range(17)), "a")
+    local = list(table(a, 1))
+    manager.release_out_of_window(a)
+    manager.free(a)  # free, oldest first: 10 11, then local 5 6 7, global 0-4, local 8 9
+    assert local[2:] == [7, 8, 9]  # global 0-4, local 5-9: shrinking to 8 drops 8 and 9
+    assert manager.resize(8) == {}
+    prompt = make_seq([*range(16), 99])
+    assert manager.cached_prefix(prompt) == ([0, 1, 2], [NO_BLOCK, 6, 7])
+    # A block in each group, the least recently freed ones: local 5 and 6 (its blocks 0
+    # and 1) go, the global group's 0-3 stay cached, yet no prefix is served whole.
+    filler = make_seq([5] * 4, "filler")
+    manager.allocate(filler, 4)
+    assert (table(filler), table(filler, 1)) == ([5], [6])
+    assert manager.cached_prefix(prompt) == ()
 
 
 # ---------------------------------------------------------------- resizing
@@ -266,11 +310,11 @@ def test_resize_grows_and_shrinks_moving_held_blocks_and_their_cache() -> None:
     assert manager.num_blocks == 4 and manager.num_used_blocks == 3
     z.block_tables = [[moves.get(b, b) for b in table(z)]]
     # z's blocks are known by content under their new ids; y's (past the end) are gone.
-    assert manager.cached_prefix(make_seq([*range(200, 212), 1])) == [1, 2, 0]
-    assert manager.cached_prefix(make_seq([*range(100, 108), 1])) == []
+    assert manager.cached_prefix(make_seq([*range(200, 212), 1])) == ([1, 2, 0],)
+    assert manager.cached_prefix(make_seq([*range(100, 108), 1])) == ()
     manager.free(z)
     assert manager.num_used_blocks == 0
-    assert manager.resize(0) == {} and manager.cached_prefix(make_seq([*range(200, 212), 1])) == []
+    assert manager.resize(0) == {} and manager.cached_prefix(make_seq([*range(200, 212), 1])) == ()
 
 
 def test_shrinking_past_held_blocks_without_room_is_refused() -> None:
@@ -292,6 +336,7 @@ GROUPS = {
     "hybrid": lambda size: kv_groups(size, mamba=2),
     # Gemma-like local and global layers, and a sliding window beside Mamba state.
     "local_global": lambda size: kv_groups(size, windows=(3,)),
+    "windows": lambda size: kv_groups(size, full=0, windows=(2, 5)),
     "window_mamba": lambda size: kv_groups(size, full=0, windows=(2, 5), mamba=1),
 }
 
@@ -311,7 +356,9 @@ class BlockMachine(RuleBasedStateMachine):
         num_blocks=st.integers(4, 12),
         block_size=st.sampled_from([1, 2, 4]),
         # Mostly with prefix caching: it is where blocks are shared.
-        kind=st.sampled_from(["attention+cache"] * 3 + [*GROUPS]),
+        kind=st.sampled_from(
+            ["attention+cache"] * 2 + ["local_global+cache"] * 2 + ["windows+cache", *GROUPS]
+        ),
     )
     def setup(self, num_blocks: int, block_size: int, kind: str) -> None:
         groups = GROUPS[kind.removesuffix("+cache")](block_size)
@@ -333,8 +380,10 @@ class BlockMachine(RuleBasedStateMachine):
         manager = self.manager
         cached = manager.cached_prefix(seq)
         size = manager.block_size
-        for i, block in enumerate(cached):
-            assert self.content.get(block) == tuple(tokens[: (i + 1) * size])
+        for cached_table in cached:
+            for i, block in enumerate(cached_table):
+                if block != NO_BLOCK:
+                    assert self.content.get(block) == tuple(tokens[: (i + 1) * size])
         if not manager.can_hold(seq, len(seq), reusing=cached):
             return
         if cached:
@@ -365,8 +414,10 @@ class BlockMachine(RuleBasedStateMachine):
         seq.num_computed_tokens = len(seq)
         size = self.manager.block_size
         if self.manager.prefix_caching:
-            for i, block in enumerate(seq.block_tables[0][: len(seq) // size]):
-                self.content[block] = tuple(seq.token_ids[: (i + 1) * size])
+            for entries in seq.block_tables:
+                for i, block in enumerate(entries[: len(seq) // size]):
+                    if block != NO_BLOCK:
+                        self.content[block] = tuple(seq.token_ids[: (i + 1) * size])
         self.manager.remember_computed(seq)
         self.manager.release_out_of_window(seq)
 
@@ -424,10 +475,12 @@ class BlockMachine(RuleBasedStateMachine):
         size = self.manager.block_size
         where: dict[int, set[tuple[int, tuple[int, ...]]]] = {}
         for seq in self.holders:
-            for i, block in enumerate(seq.block_tables[0] if seq.block_tables else []):
-                where.setdefault(block, set()).add((i, tuple(seq.token_ids[: (i + 1) * size])))
+            for entries in seq.block_tables:
+                for i, block in enumerate(entries):
+                    prefix = tuple(seq.token_ids[: (i + 1) * size])
+                    where.setdefault(block, set()).add((i, prefix))
         for block, uses in where.items():
-            if self.manager._refs[block] > 1:
+            if block != NO_BLOCK and self.manager._refs[block] > 1:
                 assert len(uses) == 1, f"block {block} shared by different prefixes: {uses}"
 
     def teardown(self) -> None:

@@ -182,17 +182,22 @@ def test_a_step_budget_below_one_image_is_refused(gemma3: Path) -> None:
         LLM(gemma3, **{**SMALL, "max_num_batched_tokens": 3, "max_num_seqs": 1})
 
 
-def test_a_prefix_cache_hit_may_end_inside_an_image(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layer_types", [None, ["full_attention"]], ids=["local", "global"])
+def test_a_prefix_cache_hit_may_end_inside_an_image(
+    tmp_path: Path, layer_types: list[str] | None
+) -> None:
     """The same image, then another question: the cached blocks end inside the image's
     run (their keys were computed with the whole image seen), the rest of it is computed
-    after them; the tokens stay transformers'. (Prefix caching needs a model without
-    local layers: global layers only here.)"""
-    path = make_random_gemma3(tmp_path, text_overrides={"layer_types": ["full_attention"]})
+    after them; the tokens stay transformers'. With local layers too (window 12) and
+    with global layers only."""
+    overrides = {"layer_types": layer_types} if layer_types else None
+    path = make_random_gemma3(tmp_path, text_overrides=overrides)
     first = f"a long enough prefix of words {BOI} what colour is it?"
     second = f"a long enough prefix of words {BOI} and its shape?"
     prompts = [(first, [image(5)]), (second, [image(5)])]
     ids, want = hf_greedy_with_images(path, prompts, GREEDY.max_tokens)
     llm = LLM(path, enable_prefix_caching=True, block_size=8, **SMALL)
+    assert bool(llm.engine.block_manager.windowed) == (layer_types is None)
     image_token = llm.get_tokenizer().convert_tokens_to_ids("<image_soft_token>")
     [(start, end)] = image_runs(ids[1], image_token)
     same = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)

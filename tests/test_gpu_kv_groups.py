@@ -152,3 +152,23 @@ def test_greedy_follows_transformers_in_bf16(checkpoint: tuple[Model, Path]) -> 
     ours = extkv_tokens(llm, ids, greedy(12))
     llm.close()
     assert_follows_transformers_in_bf16(path, ids, ours)
+
+
+def test_prefix_caching_with_local_groups_keeps_the_tokens(gemma3: Path) -> None:
+    """Prompts sharing a 200-token prefix (several windows) after it was computed, under
+    the graphs and the Triton kernels: the local groups' cached window blocks serve the
+    hit, their earlier table entries released; the tokens equal prefix caching off."""
+    shared = prompts_growing_by(23, 12, SMALL_VOCAB)[-1][:200]
+    ids = [[*shared, 5], [*shared, 6, 7, 8], [*shared[:70], 9, 9]]
+    params = greedy(32)
+    plain = LLM(gemma3, **OPTIONS)
+    expected = extkv_tokens(plain, ids, params)
+    plain.close()
+    llm = LLM(gemma3, enable_prefix_caching=True, enable_extensible_kv_cache=True, **OPTIONS)
+    blocks = llm.engine.block_manager
+    size = blocks.block_size
+    assert extkv_tokens(llm, ids[:1], params) == expected[:1]
+    assert extkv_tokens(llm, ids[1:], params) == expected[1:]
+    assert blocks.num_cached_tokens == 200 // size * size + 70 // size * size
+    assert blocks.num_used_blocks_by_group == [0] * len(blocks.groups)
+    llm.close()

@@ -106,8 +106,3 @@ def test_a_long_generation_holds_a_window_of_blocks(mistral: Path) -> None:
     again = long.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
     assert [out[0].outputs[0].token_ids] == hf_greedy(mistral, PROMPTS[:1], 150)
-
-
-def test_prefix_caching_is_refused_with_a_window(mistral: Path) -> None:
-    with pytest.raises(ValueError, match="enable_prefix_caching needs a model without sliding"):
-        LLM(mistral, **SMALL, enable_prefix_caching=True)

@@ -7,12 +7,16 @@ as the sequence runs (their entries become NO_BLOCK, so positions keep their ind
 a long generation holds a window's worth of blocks there while a full-attention group
 keeps them all. All groups draw from one pool, a block belonging to one group at a time.
 
-With prefix caching (a model of one full-attention group), a full block whose KV has
-been computed is remembered by its content (its tokens, the images whose embeddings some
-of its placeholder tokens stand for, and everything before them). A new sequence
-starting with the same tokens takes those blocks instead of computing them again; blocks
-are shared by reference count. A freed block keeps its content until the pool hands it
-out again, least recently freed first.
+With prefix caching (attention groups, full or sliding window; Mamba state sums up
+the whole prefix and is refused), a full block whose KV has been computed is remembered
+by its group and its content (its tokens, the images whose embeddings some of its
+placeholder tokens stand for, and everything before them): each group caches its own
+blocks under the same keys, as vLLM's hybrid KV cache manager does. A new sequence takes
+the longest block-aligned prefix [0, L) that every group can serve: a full-attention
+group all its blocks, a sliding-window group only those that the query at L still sees
+(its earlier entries NO_BLOCK, as if released). Blocks are shared by reference count. A
+freed block, released out of a window included, keeps its content until the pool hands
+it out again, least recently freed first, so a later prompt can still hit on it.
 
 The pool can be resized between steps (the KV cache grown or shrunk while serving):
 growing adds free blocks; shrinking drops the free blocks past the new end and moves
@@ -29,6 +33,7 @@ from extkv.kv_cache.groups import KVCacheGroup
 
 # (hash of the prefix before the block, its tokens, the hashes of the images it holds part of)
 BlockKey = tuple[int, tuple[int, ...], tuple[str, ...]]
+GroupKey = tuple[int, BlockKey]  # (the group's index, the block's key): one cache entry
 NO_BLOCK = -1  # a released block's table entry: never read (it is out of its group's window)
 
 
@@ -58,8 +63,8 @@ class BlockManager:
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: oldest first
         self._refs = [0] * num_blocks
         self._used_by_group = [0] * len(groups)
-        self._cached: dict[BlockKey, int] = {}
-        self._key_of: dict[int, BlockKey] = {}
+        self._cached: dict[GroupKey, int] = {}
+        self._key_of: dict[int, GroupKey] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
         self._peak_used = 0  # the most blocks held at once since take_peak_used
 
@@ -75,35 +80,58 @@ class BlockManager:
 
     # --- prefix caching ------------------------------------------------------------------
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks a fresh `seq` could start with; at least its last token is left
-        to compute, since its logits are needed."""
+    def cached_prefix(self, seq: Sequence) -> tuple[list[int], ...]:
+        """The cached tables a fresh `seq` could start with, one per group, all of one
+        length (the longest prefix every group serves; NO_BLOCK where a window has let go),
+        or () for no hit; at least its last token is left to compute, for its logits."""
         if not self.prefix_caching or seq.block_tables:
-            return []
-        size = self.block_size
-        blocks: list[int] = []
+            return ()
+        size, groups = self.block_size, range(len(self.groups))
+        found: list[list[int]] = [[] for _ in groups]  # a block or NO_BLOCK per index
         parent = 0
-        for start in range(0, len(seq) - 1 - size + 1, size):
-            block = self._cached.get(key := _block_key(seq, parent, start, size))
-            if block is None:
-                break
-            blocks.append(block)
+        for start in range(0, len(seq) - size, size):
+            key = _block_key(seq, parent, start, size)
+            row = [self._cached.get((group, key), NO_BLOCK) for group in groups]
+            if any(row[g] == NO_BLOCK for g in groups if g not in self.windowed):
+                break  # a full-attention group needs every block before the hit's end
+            for table, block in zip(found, row, strict=True):
+                table.append(block)
             parent = hash(key)
-        return blocks
+        length = len(found[0])
+        while length and not all(self._window_serves(found[g], g, length) for g in self.windowed):
+            length -= 1
+        if not length:
+            return ()
+        hit = tuple(table[:length] for table in found)
+        for group in self.windowed:
+            out = self.groups[group].num_out_of_window(length * size)
+            hit[group][:out] = [NO_BLOCK] * out
+        return hit
 
-    def reuse(self, seq: Sequence, blocks: Seq[int]) -> None:
-        """Give `seq` the cached `blocks` as its first ones: their tokens count as computed."""
-        for block in blocks:
-            self._take(block, 0)
-        seq.block_tables, seq.num_released_blocks = [list(blocks)], [0]
-        seq.num_computed_tokens = len(blocks) * self.block_size
+    def _window_serves(self, found: list[int], group: int, length: int) -> bool:
+        """Whether the sliding-window `group` has cached every block among `found`'s first
+        `length` that the query at their end still sees."""
+        out = self.groups[group].num_out_of_window(length * self.block_size)
+        return NO_BLOCK not in found[out:length]
+
+    def reuse(self, seq: Sequence, tables: Seq[Seq[int]]) -> None:
+        """Give `seq` the cached `tables` (from `cached_prefix`) as its first blocks in
+        each group: their tokens count as computed."""
+        for group, table in enumerate(tables):
+            for block in table:
+                if block != NO_BLOCK:
+                    self._take(block, group)
+        seq.block_tables = [list(table) for table in tables]
+        seq.num_released_blocks = [table.count(NO_BLOCK) for table in seq.block_tables]
+        seq.num_computed_tokens = len(tables[0]) * self.block_size
         self.num_cached_tokens += seq.num_computed_tokens
         self._peak_used = max(self._peak_used, self.num_used_blocks)
         self.remember_computed(seq)
 
     def remember_computed(self, seq: Sequence) -> None:
-        """Record `seq`'s newly full, computed blocks whose tokens the host knows, by
-        content; `seq.block_hashes` carries the chain, so each block is hashed once."""
+        """Record `seq`'s newly full, computed blocks whose tokens the host knows, in each
+        group, by content; `seq.block_hashes` carries the chain, so each block is hashed
+        once."""
         if not self.prefix_caching:
             return
         size = self.block_size
@@ -111,10 +139,12 @@ class BlockManager:
         known = min(seq.num_computed_tokens, len(seq.token_ids))
         for i in range(len(seq.block_hashes), known // size):
             key = _block_key(seq, parent, i * size, size)
-            block = seq.block_tables[0][i]
-            if key not in self._cached and block not in self._key_of:
-                self._cached[key] = block
-                self._key_of[block] = key
+            for group, table in enumerate(seq.block_tables):
+                entry = (group, key)
+                block = table[i]  # NO_BLOCK if released before its last token was known
+                if block != NO_BLOCK and entry not in self._cached and block not in self._key_of:
+                    self._cached[entry] = block
+                    self._key_of[block] = entry
             parent = hash(key)
             seq.block_hashes.append(parent)
 
@@ -186,15 +216,15 @@ class BlockManager:
         group = self._token_group
         return group is None or num_tokens <= len(seq.block_tables[group]) * self.block_size
 
-    def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> int:
-        """Free blocks the pool lacks for `seq` (about to take the cached `reusing` blocks)
-        to hold `num_tokens`: 0 when it fits."""
-        missing = self.blocks_missing(seq, num_tokens) - len(reusing)
-        free = len(self._free) - sum(1 for b in reusing if b in self._free)
+    def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[Seq[int]] = ()) -> int:
+        """Free blocks the pool lacks for `seq` (about to take the cached tables `reusing`,
+        whose NO_BLOCK entries need no block either) to hold `num_tokens`: 0 when it fits."""
+        missing = self.blocks_missing(seq, num_tokens) - sum(map(len, reusing))
+        free = len(self._free) - sum(1 for table in reusing for b in table if b in self._free)
         return max(missing - free, 0)
 
-    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
-        """Whether `seq` (about to take the cached `reusing` blocks) fits `num_tokens`."""
+    def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[Seq[int]] = ()) -> bool:
+        """Whether `seq` (about to take the cached tables `reusing`) fits `num_tokens`."""
         return self.blocks_short(seq, num_tokens, reusing) == 0
 
     def take_peak_used(self) -> int:
@@ -269,22 +299,11 @@ class BlockManager:
 
 
 def _check_prefix_caching(groups: Seq[KVCacheGroup]) -> None:
-    """Prefix caching shares blocks of one full-attention table; refuse models without one."""
-    kinds = {group.kind for group in groups}
-    if "mamba" in kinds:
+    """Prefix caching shares attention blocks; refuse models with recurrent state."""
+    if any(group.kind == "mamba" for group in groups):
         raise ValueError(
             "enable_prefix_caching needs a model without Mamba layers: a recurrent "
             "state sums up the whole prefix and cannot be shared block by block"
-        )
-    if "sliding_window" in kinds:
-        raise ValueError(
-            "enable_prefix_caching needs a model without sliding-window attention: "
-            "its sequences release the blocks a cached prefix would be made of"
-        )
-    if len(groups) > 1:
-        raise ValueError(
-            f"enable_prefix_caching needs a model of one KV cache group, this one has "
-            f"{len(groups)} ({', '.join(sorted(kinds))})"
         )
 
 

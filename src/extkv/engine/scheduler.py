@@ -199,7 +199,7 @@ class Scheduler:
                 continue  # preempted with a token in flight: recomputed once it is here
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cached = blocks.cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            computed = len(cached) * blocks.block_size if cached else seq.num_computed_tokens
+            computed = len(cached[0]) * blocks.block_size if cached else seq.num_computed_tokens
             n = self._image_chunk(seq, computed, min(len(seq) - computed, budget))
             if n == 0 or not self._fits(seq, computed + n, reusing=cached):
                 break
@@ -317,9 +317,9 @@ class Scheduler:
         self.block_manager.allocate(seq, num_tokens)
         return True
 
-    def _fits(self, seq: Sequence, num_tokens: int, reusing: Seq[int] = ()) -> bool:
+    def _fits(self, seq: Sequence, num_tokens: int, reusing: Seq[Seq[int]] = ()) -> bool:
         """Whether the pool can give `seq` blocks for `num_tokens` (taking the cached
-        `reusing` ones), once `grow` (the elastic policy) has added what it can."""
+        tables `reusing`), once `grow` (the elastic policy) has added what it can."""
         blocks = self.block_manager
         short = blocks.blocks_short(seq, num_tokens, reusing)
         if short and self.grow is not None and self.grow(short):
