@@ -3,7 +3,9 @@ importing one never collects (or runs the imports of) another module's tests."""
 
 from __future__ import annotations
 
+import base64
 import inspect
+import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.models.mamba2 import modeling_mamba2
 
@@ -518,3 +521,41 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+# --- images (the multimodal tests) ---------------------------------------------------
+
+
+def image(seed: int, size: tuple[int, int] = (40, 33)) -> Image.Image:
+    """A random RGB image (the processor resizes and crops it to 28 x 28)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def png_data_url(picture: Image.Image) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def tokens(outputs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_no_request_or_image_held(llm: LLM) -> None:
+    """No request left, every KV block free, and no encoder cache entry held."""
+    assert not llm.engine.has_unfinished_requests()
+    blocks = llm.engine.block_manager
+    assert blocks.num_used_blocks == 0 and not any(blocks._refs)
+    assert llm.engine.scheduler.encoder_cache is None or (
+        llm.engine.scheduler.encoder_cache.num_held_tokens == 0
+    )
+
+
+def assert_encoder_cache_released(llm: LLM) -> None:
+    """No request holds an entry (what stays is only kept for reuse, within the budget)."""
+    cache = llm.engine.scheduler.encoder_cache
+    assert cache.num_held_tokens == 0
+    assert cache.num_used_tokens <= cache.num_tokens
+    runner = llm.engine.runner
+    assert len(runner.encoder_outputs) == cache.num_entries

@@ -16,8 +16,15 @@ from transformers.models.gemma3 import modeling_gemma3
 
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint, make_random_gemma3
-from helpers import hf_greedy_with_images, multimodal_prompts
-from test_multimodal import assert_encoder_cache_released, assert_nothing_leaked, image, tokens
+from helpers import (
+    assert_encoder_cache_released,
+    assert_no_request_or_image_held,
+    hf_greedy_with_images,
+    image,
+    multimodal_prompts,
+    png_data_url,
+    tokens,
+)
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -67,7 +74,7 @@ def test_greedy_matches_transformers(gemma3: Path, expected: tuple, extensible: 
     # The images matter: another picture changes what follows.
     other = llm.generate(multimodal_prompts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
     assert tokens(other) != want[:1]
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -160,7 +167,7 @@ def test_chunked_prefill_never_cuts_an_image(
             assert not any(first < computed < end for first, end in runs[seq.request_id])
     assert [outputs[str(i)] for i in range(len(PROMPTS))] == want
     assert first_image in stops  # a step ended short, before the image
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -206,7 +213,7 @@ def test_a_prefix_cache_hit_may_end_inside_an_image(
     assert tokens(llm.generate(multimodal_prompts(prompts[:1]), GREEDY, use_tqdm=False)) == want[:1]
     assert tokens(llm.generate(multimodal_prompts(prompts[1:]), GREEDY, use_tqdm=False)) == want[1:]
     assert llm.engine.stats().num_cached_prompt_tokens == cached
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
 
 
 def test_a_repeated_image_hits_the_encoder_cache(gemma3: Path) -> None:
@@ -224,7 +231,6 @@ def test_chat_through_gemma3s_template(gemma3: Path, extensible: bool) -> None:
     """Content parts (text, an image, text, an image) through the checkpoint's Gemma 3
     chat template: the prompt ids and tokens of transformers' processor on the same
     conversation."""
-    from test_multimodal import png_data_url
 
     llm = LLM(gemma3, enable_extensible_kv_cache=extensible, **SMALL)
     content = [
@@ -264,7 +270,7 @@ def test_bad_prompts_are_refused(gemma3: Path, prompt: dict, match: str) -> None
     good = {"prompt": f"{BOI} fine", "multi_modal_data": {"image": image(11)}}
     with pytest.raises(ValueError, match=match):
         llm.generate([good, prompt], GREEDY, use_tqdm=False)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert llm.engine.stats().encoder_cache_misses == 0
 
 
@@ -273,7 +279,7 @@ def test_images_on_a_text_only_gemma3_are_refused(tmp_path: Path) -> None:
     llm = LLM(text_only, **SMALL)
     with pytest.raises(ValueError, match=r"multi_modal_data: model .* takes no images"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}}, GREEDY)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
 
 
 def test_pan_and_scan_is_refused(gemma3: Path, tmp_path: Path) -> None:
@@ -306,5 +312,5 @@ def test_cuda_equals_the_cpu_reference(gemma3: Path) -> None:
         assert tokens(llm.generate(multimodal_prompts(PROMPTS), params, use_tqdm=False)) == cpu
         report = llm.memory_report()
         assert report["encoder_cache_bytes"] > 0 and report["encoder_activation_peak_bytes"] > 0
-        assert_nothing_leaked(llm)
+        assert_no_request_or_image_held(llm)
         llm.close()

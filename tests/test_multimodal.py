@@ -11,7 +11,6 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -19,23 +18,19 @@ from PIL import Image
 from extkv import LLM, SamplingParams
 from extkv.demo import IMAGE_TOKEN, make_random_llava
 from extkv.engine.errors import RequestFailedError
-from helpers import hf_greedy_with_images, multimodal_prompts
+from helpers import (
+    assert_encoder_cache_released,
+    assert_no_request_or_image_held,
+    hf_greedy_with_images,
+    image,
+    multimodal_prompts,
+    png_data_url,
+    tokens,
+)
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 IMAGE_TOKENS = 16  # 28 x 28 pixels in 7 x 7 patches
-
-
-def image(seed: int, size: tuple[int, int] = (40, 33)) -> Image.Image:
-    """A random RGB image (the processor resizes and crops it to 28 x 28)."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
-
-
-def png_data_url(picture: Image.Image) -> str:
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -57,29 +52,6 @@ PROMPTS = [
 ]
 
 
-def tokens(outputs: list) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_nothing_leaked(llm: LLM) -> None:
-    """No request left, every KV block free, and no encoder cache entry held."""
-    assert not llm.engine.has_unfinished_requests()
-    blocks = llm.engine.block_manager
-    assert blocks.num_used_blocks == 0 and not any(blocks._refs)
-    assert llm.engine.scheduler.encoder_cache is None or (
-        llm.engine.scheduler.encoder_cache.num_held_tokens == 0
-    )
-
-
-def assert_encoder_cache_released(llm: LLM) -> None:
-    """No request holds an entry (what stays is only kept for reuse, within the budget)."""
-    cache = llm.engine.scheduler.encoder_cache
-    assert cache.num_held_tokens == 0
-    assert cache.num_used_tokens <= cache.num_tokens
-    runner = llm.engine.runner
-    assert len(runner.encoder_outputs) == cache.num_entries
-
-
 @pytest.mark.parametrize("extensible", [False, True])
 @pytest.mark.parametrize("tower", ["llava", "llava_siglip"])
 def test_greedy_matches_transformers(tower: str, extensible: bool, request) -> None:
@@ -97,7 +69,7 @@ def test_greedy_matches_transformers(tower: str, extensible: bool, request) -> N
     # The images matter: another picture changes what follows.
     other = llm.generate(multimodal_prompts([(PROMPTS[0][0], [image(9)])]), GREEDY, use_tqdm=False)
     assert tokens(other) != expected[:1]
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -141,7 +113,7 @@ def test_chunked_prefill_across_an_image_encodes_it_once(llava: Path, extensible
     stats = llm.engine.stats()
     assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (4, 0)
     assert tokens(llm.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -160,7 +132,7 @@ def test_n_completions_share_the_prompt_and_its_image(llava: Path) -> None:
         assert [c.token_ids for c in output.outputs] == [one] * 3
         assert cache.num_misses == 1
         assert cache.num_hits == (hits if caching else hits + 3)
-        assert_nothing_leaked(llm)
+        assert_no_request_or_image_held(llm)
         assert_encoder_cache_released(llm)
 
 
@@ -217,7 +189,7 @@ def test_a_request_waits_until_its_images_fit(llava: Path) -> None:
     assert engine.stats().encoder_cache_misses == 2
     while engine.has_unfinished_requests():
         engine.step()
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -231,7 +203,7 @@ def test_preemption_and_prefix_caching_keep_the_tokens(llava: Path, extensible: 
     tight = LLM(llava, enable_extensible_kv_cache=extensible, **{**SMALL, **tight_kv})
     assert tokens(tight.generate(multimodal_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
     assert tight.engine.stats().num_preemptions > 0
-    assert_nothing_leaked(tight)
+    assert_no_request_or_image_held(tight)
     assert_encoder_cache_released(tight)
     cached = LLM(
         llava,
@@ -344,7 +316,7 @@ def test_bad_images_are_refused_and_nothing_leaks(llm: LLM, prompt: dict, match:
     with pytest.raises(ValueError, match=match):
         llm.generate([good, prompt], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     after = llm.engine.stats()
     assert after.encoder_cache_entries == before.encoder_cache_entries
     assert (after.encoder_cache_misses, after.encoder_cache_hits) == (
@@ -377,7 +349,7 @@ def test_a_failed_step_forgets_the_images_it_was_to_encode(
         == hf_greedy_with_images(llava, [(prompt["prompt"], [image(12)])], GREEDY.max_tokens)[1]
     )
     assert (cache.num_misses, cache.num_hits) == (2, 0)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
     assert_encoder_cache_released(llm)
 
 
@@ -389,7 +361,7 @@ def test_images_on_a_text_only_model_are_refused(qwen3: Path) -> None:
     part = {"type": "image_url", "image_url": {"url": png_data_url(image(1))}}
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: this model takes no images"):
         llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
 
 
 @pytest.mark.parametrize(
@@ -475,7 +447,7 @@ def test_chat_refuses_bad_image_urls(llava: Path, tmp_path: Path, url: str, matc
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]\.image_url: .*" + match):
         llm.chat(messages, GREEDY, use_tqdm=False)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
 
 
 def test_file_urls_need_the_allowed_folder(llava: Path, tmp_path: Path) -> None:
@@ -500,7 +472,7 @@ def test_cuda_graphs_legacy_equals_extensible_and_chunks_change_nothing(llava: P
         runs.append(tokens(llm.generate(multimodal_prompts(PROMPTS), params, use_tqdm=False)))
         report = llm.memory_report()
         assert report["encoder_cache_bytes"] > 0 and report["encoder_activation_peak_bytes"] > 0
-        assert_nothing_leaked(llm)
+        assert_no_request_or_image_held(llm)
         llm.close()
     assert runs[0] == runs[1] == runs[2]
 
@@ -567,7 +539,7 @@ def test_remote_images_come_from_the_allowed_hosts_only(
     ]:
         with pytest.raises(ValueError, match=r"image_url.*" + match):
             chat(url)
-    assert_nothing_leaked(llm)
+    assert_no_request_or_image_held(llm)
 
 
 @pytest.mark.parametrize("value", ["", [], ["https://a.org"], ["a.org/x"], 3])

@@ -14,8 +14,8 @@ import pytest
 
 from extkv import LLM, SamplingParams
 from extkv.demo import IMAGE_TOKEN, make_random_gemma3, make_random_llava
+from helpers import image, png_data_url
 from live_server import ENGINE, MODEL, Server, running
-from test_multimodal import image, png_data_url
 
 GREEDY = dict(temperature=0, max_tokens=8)
 
