@@ -2,8 +2,8 @@
 blocking waits per step, and the memory-bandwidth roofline, on the Qwen3-0.6B shape
 (or SmolLM2-135M's: --shape smollm2-135m).
 
-    python benchmarks/bench_step.py [--batch-sizes 1 256] [--shape S] [--baseline-src DIR]
-        [--json OUT]
+    python benchmarks/bench_step.py [--batch-sizes 1 256] [--shape S] [--prompt-len N]
+        [--baseline-src DIR] [--json OUT]
     python benchmarks/bench_step.py --smoke   # tiny model on the CPU: proves it runs
 
 The engine (random bf16 weights of the shape, extensible KV cache, CUDA
@@ -36,6 +36,7 @@ process, and the tables show both with after/before ratios.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -195,6 +196,8 @@ def checkpoint(args) -> Path:
 
 def measure(args) -> Rows:
     setting = SMOKE if args.smoke else Setting()
+    if args.prompt_len is not None:
+        setting = dataclasses.replace(setting, prompt_len=args.prompt_len)
     path = checkpoint(args)
     config = json.loads((path / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -235,6 +238,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
     parser.add_argument(
         "--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="random weights of this model"
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        help="prompt tokens per sequence (default 512, smoke 32): e.g. 128 for bench_smollm2's",
     )
     parser.add_argument(
         "--kernel-table", type=int, default=0, help="log the N costliest kernels (default 0: none)"
