@@ -128,7 +128,8 @@ def checkpoint(name: str, args) -> Path:
         return random_checkpoint(f"/tmp/extkv-bench/tiny-kinds-{name}", architecture, **tiny)
     shape = _cut(shape, args.num_layers)
     layers = shape["num_hidden_layers"]
-    return random_checkpoint(f"/tmp/extkv-bench/{name}-{layers}-layers", architecture, shape)
+    folder = f"/tmp/extkv-bench/{name}-{layers}-layers"  # built on the GPU: 16B params
+    return random_checkpoint(folder, architecture, shape, device="cuda")
 
 
 def roof_step_bytes(config, batch: int, context: int) -> float:
