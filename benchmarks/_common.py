@@ -38,6 +38,8 @@ def random_checkpoint(
             options = {"dtype": torch.bfloat16, **overrides, **options}
             logger.info("building a random bf16 %s checkpoint in %s", architecture, path)
         demo.make_random_checkpoint(path, architecture, with_tokenizer=False, **options)
+        if torch.cuda.is_available():  # built on the GPU: its memory is no engine's budget
+            torch.cuda.empty_cache()
     return path
 
 
