@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -480,8 +481,8 @@ def test_cuda_graphs_legacy_equals_extensible_and_chunks_change_nothing(llava: P
 @pytest.fixture
 def image_host(tmp_path: Path) -> Iterator[str]:
     """A local HTTP server on 127.0.0.1: /two.png an image, /big.png too many bytes,
-    /away a redirect to the same file on "localhost" (another host name), else 404.
-    Yields its base URL."""
+    /slow.png bytes trickling in, /away a redirect to the same file on "localhost"
+    (another host name), else 404. Yields its base URL."""
     import http.server
     import threading
 
@@ -491,6 +492,14 @@ def image_host(tmp_path: Path) -> Iterator[str]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/slow.png":  # a byte every 0.1 s, for 3 s in all
+                self.send_response(200)
+                self.end_headers()
+                for _ in range(30):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+                return
             if self.path == "/away":
                 self.send_response(302)
                 self.send_header("Location", f"http://localhost:{port}/two.png")
@@ -517,8 +526,9 @@ def test_remote_images_come_from_the_allowed_hosts_only(
     llava: Path, image_host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An http:// URL on an allowed host gives the tokens of the same image inline; a host
-    not listed, a redirect to one, a missing file and an oversized one are refused by a
-    ValueError that says which, and nothing is queued."""
+    not listed, a redirect to one, a missing file, an oversized one and one that trickles
+    in past the time limit are refused by a ValueError that says which, and nothing is
+    queued."""
     from extkv.engine import chat_content
 
     llm = LLM(llava, allowed_media_domains="127.0.0.1", **SMALL)
@@ -531,7 +541,9 @@ def test_remote_images_come_from_the_allowed_hosts_only(
 
     assert chat(f"{image_host}/two.png") == chat(png_data_url(image(2)))
     monkeypatch.setattr(chat_content, "MAX_IMAGE_BYTES", 1024)
+    monkeypatch.setattr(chat_content, "FETCH_TIMEOUT_S", 0.5)
     for url, match in [
+        (f"{image_host}/slow.png", "took over 0.5 s"),
         ("http://localhost/two.png", r"'localhost' is not one of --allowed-media-domains"),
         (f"{image_host}/away", r"\(redirected\): 'localhost' is not one of"),
         (f"{image_host}/none.png", "failed: HTTP 404"),

@@ -19,6 +19,7 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,7 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
 ContentFormat = Literal["string", "openai"]
-FETCH_TIMEOUT_S = 5.0  # a remote image's connection and each read (vLLM's default too)
+FETCH_TIMEOUT_S = 5.0  # a remote image's whole download (vLLM's default timeout too)
 MAX_IMAGE_BYTES = 64 << 20  # a larger download is refused, not read to the end
 
 
@@ -119,26 +120,40 @@ class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
         self.domains, self.where = domains, where
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urlparse(newurl).scheme.lower() not in ("http", "https"):
+            raise ValueError(f"{self.where}: redirected to a URL that is not http(s)")
         _check_host(newurl, self.domains, f"{self.where} (redirected)")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _remote_bytes(url: str, domains: tuple[str, ...] | None, where: str) -> bytes:
     """The body of `url` on an allowed host, at most MAX_IMAGE_BYTES, within
-    FETCH_TIMEOUT_S per wait."""
+    FETCH_TIMEOUT_S in all: read as it arrives, so a host that trickles bytes cannot
+    hold a parsing thread (and the requests queued behind it) for long."""
     _check_host(url, domains, where)
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
     opener = urllib.request.build_opener(_AllowedRedirects(domains, where))
+    chunks, size = [], 0
     try:
         with opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
-            data = response.read(MAX_IMAGE_BYTES + 1)
+            while size <= MAX_IMAGE_BYTES:
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"{where}: fetching {url[:80]!r} took over {FETCH_TIMEOUT_S} s"
+                    )
+                chunk = response.read1(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
     except urllib.error.HTTPError as e:
         raise ValueError(f"{where}: fetching {url[:80]!r} failed: HTTP {e.code}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise ValueError(f"{where}: fetching {url[:80]!r} failed: {reason}") from None
-    if len(data) > MAX_IMAGE_BYTES:
+    if size > MAX_IMAGE_BYTES:
         raise ValueError(f"{where}: {url[:80]!r} holds more than {MAX_IMAGE_BYTES} bytes")
-    return data
+    return b"".join(chunks)
 
 
 def _data_url_bytes(url: str, where: str) -> bytes:
