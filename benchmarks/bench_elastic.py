@@ -10,7 +10,9 @@ Sections, each a table:
   in-process "torch" hook mode, weights with its CPU backup), side by side in one
   process. Level 1 saves the weights to host memory; level 2 (and the KV cache at any
   level) drops the bytes. extkv's KV wake also zeroes the cache (the engine needs it);
-  torch_memory_saver's leaves it uninitialised. Seconds and GiB/s each way.
+  torch_memory_saver's leaves it uninitialised. Seconds and GiB/s each way. Beside
+  them, the ways a level-1 sleep could keep the weights on the host (`host copy:`
+  rows): pinned ahead (WeightMemory pins at start-up), pinned at sleep, pageable.
 - `engine`: a Qwen3-0.6B-shaped engine (`enable_sleep_mode=True`, the default 0.9 of
   the device) put to sleep at level 1 and 2 and woken, the same greedy tokens after
   each (level 2 re-reads the checkpoint from disk); vLLM's sleep mode on Qwen3-0.6B
@@ -122,6 +124,41 @@ def extkv_mechanism(weights_bytes: int, kv_bytes: int, device: torch.device) -> 
         name = "extkv kv (zeroed)" if zero else "extkv kv"
         rows[name] = _row(kv_bytes / GiB, sleep_s, wake_s)
     kv.free()
+    return rows
+
+
+def host_copy_ways(num_bytes: int, device: torch.device) -> Rows:
+    """Where a level-1 sleep can put the weights, timed on one region (CUDA): a host
+    buffer pinned beforehand (what WeightMemory does, at start-up), one pinned at sleep
+    (cudaHostRegister of a fresh buffer, then the copy), and plain pageable memory, fresh
+    and reused; `sleep_s` is the device-to-host copy with whatever it needs first,
+    `wake_s` the copy back."""
+    region = torch.randn(num_bytes // 2, dtype=torch.bfloat16, device=device).view(torch.uint8)
+    cudart = torch.cuda.cudart()
+
+    def pinned() -> torch.Tensor:
+        host = torch.empty(num_bytes, dtype=torch.uint8)
+        assert int(cudart.cudaHostRegister(host.data_ptr(), num_bytes, 0)) == 0
+        return host
+
+    rows: Rows = {}
+    ahead = pinned()
+    reused = torch.empty(num_bytes, dtype=torch.uint8)
+    reused.fill_(0)  # its pages touched once, as a buffer kept from an earlier sleep's
+    ways = {
+        "host copy: pinned ahead": lambda: ahead,
+        "host copy: pinned at sleep": pinned,
+        "host copy: pageable, fresh": lambda: torch.empty(num_bytes, dtype=torch.uint8),
+        "host copy: pageable, reused": lambda: reused,
+    }
+    for name, host_of in ways.items():
+        hosts: list[torch.Tensor] = []
+        sleep_s = _timed(lambda h=host_of, out=hosts: out.append(h().copy_(region)), device)
+        wake_s = _timed(lambda host=hosts[0]: region.copy_(host), device)
+        rows[name] = _row(num_bytes / GiB, sleep_s, wake_s)
+        if name == "host copy: pinned at sleep":
+            cudart.cudaHostUnregister(hosts[0].data_ptr())
+    cudart.cudaHostUnregister(ahead.data_ptr())
     return rows
 
 
@@ -501,6 +538,7 @@ def main() -> None:
         weights, kv = int(args.weights_gib * GiB), int(args.kv_gib * GiB)
         rows = extkv_mechanism(weights, kv, device)
         if cuda:
+            rows |= host_copy_ways(weights, device)
             rows |= tms_in_child(args)
         done("mechanism", rows)
 
