@@ -67,11 +67,9 @@ class ElasticKVCachePolicy:
         self.elastic = elastic
         self.blocks = elastic.scheduler.block_manager
         self.ceiling = ceiling
-        # What start-up committed: each rank's floor_blocks, the smallest of them (ranks
+        # Start-up committed the floor: the smallest of every rank's floor_blocks (ranks
         # place their granule boundaries apart).
-        self.floor = min(
-            floor_blocks(elastic.kv_cache, elastic.min_blocks, ceiling), self.blocks.num_blocks
-        )
+        self.floor = self.blocks.num_blocks
         self.idle_release_s = idle_release_s
         self.clock = clock
         # (time, the most blocks held since the entry before): a window of the last
