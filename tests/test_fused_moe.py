@@ -300,11 +300,15 @@ def test_cuda_graph_replays_new_routing() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(*args.values())
+    graph.replay()
+    first = out.clone()
+    assert torch.equal(first, fused_experts(*args.values()))
     other = moe_inputs(16, 8, torch.bfloat16, "one_expert_takes_all", "cuda", 1, **QWEN3_MOE_LAYER)
-    for name in ("x", "weights", "indices"):
+    for name in ("x", "weights", "indices"):  # the weights stay the captured ones
         args[name].copy_(other[name])
     graph.replay()
-    assert torch.equal(out, fused_experts(*other.values()))
+    assert torch.equal(out, fused_experts(*args.values()))
+    assert not torch.equal(out, first)
 
 
 @pytest.mark.gpu

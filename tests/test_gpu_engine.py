@@ -4,7 +4,11 @@ graphs captured at start-up."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,22 +141,39 @@ def test_level_one_sleep_fills_the_host_copy_pinned_at_start_up() -> None:
     cudart.cudaHostUnregister(host.data_ptr())
 
 
+ACTIVATION_HOLD_SCRIPT = """
+import json, sys, torch
+from extkv import LLM
+
+def cached():
+    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+options = dict(max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
+llm = LLM(sys.argv[1], enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
+seen = dict(peak=llm.memory_report()["activation_peak_bytes"], awake=cached())
+llm.sleep(level=1)
+seen["asleep"] = cached()
+llm.wake_up()
+seen["woken"] = cached()
+llm.close()
+print(json.dumps(seen))
+"""
+
+
 def test_the_activation_peak_stays_in_torchs_cache_except_asleep(small_qwen3: Path) -> None:
     """After start-up torch's allocator keeps the profiled activation peak cached (eager
     steps take it from there, not from a driver another engine may have drained); sleep
-    gives it back to the driver with the rest, wake takes it again."""
-
-    def cached() -> int:
-        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-
-    options = dict(max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
-    llm = LLM(small_qwen3, enable_extensible_kv_cache=True, enable_sleep_mode=True, **options)
-    peak = llm.memory_report()["activation_peak_bytes"]
-    awake = cached()  # also what the graphs' pool holds free between its own tensors
-    assert peak > 0 and awake >= peak
-    llm.sleep(level=1)
-    asleep = cached()
-    assert awake - asleep >= peak
-    llm.wake_up()
-    assert cached() - asleep >= peak
-    llm.close()
+    gives it back to the driver with the rest, wake takes it again. In a process of its
+    own: what earlier tests left in torch's cache would blur the counts."""
+    done = subprocess.run(
+        [sys.executable, "-c", ACTIVATION_HOLD_SCRIPT, str(small_qwen3)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    peak = seen["peak"]
+    assert peak > 0 and seen["awake"] >= peak  # also what the graphs' pool holds free
+    assert seen["awake"] - seen["asleep"] >= peak
+    assert seen["woken"] - seen["asleep"] >= peak

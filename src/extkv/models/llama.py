@@ -164,8 +164,9 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is None:
             return hidden
-        # As HF: the scale rounded to the weights' dtype, then one multiply.
-        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        # As HF: the scale rounded to the weights' dtype, then one multiply; a Python number,
+        # as a device tensor made here would be a host-to-device copy inside a graph capture.
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
 
     def forward(
         self,
