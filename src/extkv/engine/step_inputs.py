@@ -100,26 +100,34 @@ def build_step_inputs(
     work is kept to one pass of builtins each; the rest is numpy."""
     requests = plan.requests
     num_seqs = len(requests)
-    counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
     starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+    if plan.is_prefill:
+        counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
+    else:  # one token per sequence
+        counts = np.ones(num_seqs, dtype=np.int64)
     cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=cu_seqlens[1:])
     num_tokens = int(cu_seqlens[-1])
     if plan.is_prefill:
         seq_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
-    else:  # one token per sequence
+    else:
         seq_of_token, positions = np.arange(num_seqs), starts
     num_attention = len(kv_plan.attention_groups)
     tokens = np.empty((TOKEN_ROWS + num_attention, num_tokens), dtype=np.int64)
-    known = chain.from_iterable([*r.token_ids, 0] if r.pending else r.token_ids for r in requests)
-    tokens[0] = np.fromiter(known, np.int64, num_tokens)
     tokens[1] = positions
+    # A pending token is its request's last one: id 0 there, its source row set; the
+    # known ids fill the other rows (in a decode with async scheduling, often none).
+    pending = np.fromiter((r.pending for r in requests), bool, num_seqs)
+    pending_rows = cu_seqlens[1:][pending] - 1
+    tokens[0] = 0
     tokens[2] = -1
-    pending = [(i, last_rows[r.request_id]) for i, r in enumerate(requests) if r.pending]
-    if pending:
-        rows, sources = zip(*pending, strict=True)
-        tokens[2, cu_seqlens[1:][list(rows)] - 1] = sources
+    is_known = np.ones(num_tokens, dtype=bool)
+    is_known[pending_rows] = False
+    known = chain.from_iterable(r.token_ids for r in requests)
+    tokens[0, is_known] = np.fromiter(known, np.int64, num_tokens - len(pending_rows))
+    sources = (last_rows[r.request_id] for r in requests if r.pending)
+    tokens[2, pending_rows] = np.fromiter(sources, np.int64, len(pending_rows))
     tables = np.zeros((num_attention, num_seqs, 0), dtype=np.int64)
     if num_attention:  # they come first in block_ids, their tables all of one length
         lengths = np.fromiter((len(r.block_ids[0]) for r in requests), np.int64, num_seqs)
