@@ -424,9 +424,10 @@ class LLMEngine:
         logprob_rows = {launched.request_ids[row]: i for i, row in enumerate(launched.logprob_rows)}
         took: dict[str, int | None] = {}
         advanced: dict[str, RequestState] = {}
+        states, finished = self._states, SequenceStatus.FINISHED
         for seq_id in launched.request_ids:
-            state = self._states.get(seq_id)
-            if state is not None and state.by_id[seq_id].seq.status is not SequenceStatus.FINISHED:
+            state = states.get(seq_id)
+            if state is not None and state.by_id[seq_id].seq.status is not finished:
                 took[seq_id] = logprob_rows.get(seq_id)
                 advanced[state.request_id] = state
         self.scheduler.update(launched.request_ids, tokens)
