@@ -22,7 +22,10 @@ steps each are timed.
   `build_step_inputs` and staging the inputs, `SamplingBatch.build` and the sampler,
   reading the tokens, the engine's bookkeeping and outputs. On a GPU the same work
   also launches a few kernels (the inputs' copy, the sampled tokens' copies); here
-  those few torch ops run on the CPU, over at most 256 rows.
+  those few torch ops run on the CPU, over at most 256 rows. The graph's body, run on
+  the CPU, leaves its caches cold for the host work after it, so the figures are above
+  what the same work costs beside a GPU (bench_step's host ms): compare trees with
+  --baseline-src rather than these figures with that.
 - us/req: host us over the batch size: the per-request part of it at large batches.
 - graph us: the time inside the graph's body per step (what was taken out), for reference.
 

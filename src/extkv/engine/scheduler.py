@@ -168,7 +168,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
-            seq.request_id, start, 1, known, not known, self._block_ids(seq), seq.params
+            seq.request_id, start, 1, known, not known, self._block_ids(seq), params
         )
 
     def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
