@@ -202,11 +202,14 @@ class BlockManager:
 
     def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still lacks, over all groups, to hold its first `num_tokens` tokens."""
-        tables = seq.block_tables or [[]] * len(self.groups)
-        return sum(
+        return sum(self._missing(seq.block_tables or [[]] * len(self.groups), num_tokens))
+
+    def _missing(self, tables: Seq[Seq[int]], num_tokens: int) -> list[int]:
+        """Per group, the blocks `tables` (one per group) lack to hold `num_tokens` tokens."""
+        return [
             max(group.blocks_for(num_tokens) - len(table), 0)
             for group, table in zip(self.groups, tables, strict=True)
-        )
+        ]
 
     def holds(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq`'s blocks already hold `num_tokens` tokens in every group: the quick
@@ -237,15 +240,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` the blocks it lacks, in every group, for `num_tokens` tokens; raises if
         too few are free (and then takes none)."""
-        missing = self.blocks_missing(seq, num_tokens)
-        if missing > len(self._free):
-            raise RuntimeError(f"{missing} blocks needed, {len(self._free)} free")
+        tables = seq.block_tables or [[] for _ in self.groups]
+        missing = self._missing(tables, num_tokens)  # counted once: the check, then the blocks
+        if sum(missing) > len(self._free):
+            raise RuntimeError(f"{sum(missing)} blocks needed, {len(self._free)} free")
         if not seq.block_tables:
-            seq.block_tables = [[] for _ in self.groups]
+            seq.block_tables = tables
             seq.num_released_blocks = [0] * len(self.groups)
-        for index, (group, table) in enumerate(zip(self.groups, seq.block_tables, strict=True)):
-            new = group.blocks_for(num_tokens) - len(table)
-            table.extend(self._take_free(index) for _ in range(new))
+        for index, (table, count) in enumerate(zip(tables, missing, strict=True)):
+            table.extend(self._take_free(index) for _ in range(count))
         self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:

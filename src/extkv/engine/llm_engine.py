@@ -419,14 +419,17 @@ class LLMEngine:
             return failed
         tokens = launched.get()
         # Sequences finished or aborted since launch take no token (update skips them);
-        # the others, each with its row among the step's logprobs (None: none asked).
+        # the others, each with its row among the step's logprobs (None: none asked), and
+        # their requests in order, once each. One pass: it runs for every sequence.
         logprob_rows = {launched.request_ids[row]: i for i, row in enumerate(launched.logprob_rows)}
-        took = {
-            seq_id: logprob_rows.get(seq_id)
-            for seq_id in launched.request_ids
-            if seq_id in self._states
-            and self._states[seq_id].by_id[seq_id].seq.status != SequenceStatus.FINISHED
-        }
+        took: dict[str, int | None] = {}
+        advanced: dict[str, RequestState] = {}
+        states, finished = self._states, SequenceStatus.FINISHED
+        for seq_id in launched.request_ids:
+            state = states.get(seq_id)
+            if state is not None and state.by_id[seq_id].seq.status is not finished:
+                took[seq_id] = logprob_rows.get(seq_id)
+                advanced[state.request_id] = state
         self.scheduler.update(launched.request_ids, tokens)
         first = 0  # prompt logprobs, of chunks that sample nothing too
         for seq_id, position, count in launched.prompt_spans:
@@ -435,19 +438,18 @@ class LLMEngine:
                     launched.prompt_logprobs, first, position, count
                 )
             first += count
-        advanced: dict[str, RequestState] = {}  # in order, once each
-        for seq_id in took:
-            advanced.setdefault(self._states[seq_id].request_id, self._states[seq_id])
         outputs = []
         for state in advanced.values():
             try:
-                self._took_tokens(state, launched, took)
-                if state.finished or not finished_only:
+                if state.watches_tokens:
+                    self._took_tokens(state, launched, took)
+                finished = state.finished
+                if finished or not finished_only:
                     outputs.append(state.output())
             except Exception as e:  # e.g. detokenizing: this request's alone
                 failed += self._fail([state], e)
                 continue
-            if state.finished:
+            if finished:
                 self._forget(state)
         return outputs + failed
 

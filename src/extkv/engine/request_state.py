@@ -83,6 +83,12 @@ class RequestState:
             for seq in seqs
         ]
         self.by_id = {c.seq.request_id: c for c in self.completions}
+        # Whether a new token needs more than the scheduler's bookkeeping (logprobs to
+        # gather, stop strings to look for): else the engine skips `took_token` and
+        # `add_logprobs` for it, every step.
+        self.watches_tokens = params.logprobs is not None or any(
+            c.stream is not None for c in self.completions
+        )
         num_prompt = seqs[0].num_prompt_tokens
         self.prompt_logprobs: PromptLogprobs | None = (
             None if params.prompt_logprobs is None else [None] * num_prompt
@@ -90,8 +96,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        """Whether every completion has ended."""
-        return all(c.seq.status == SequenceStatus.FINISHED for c in self.completions)
+        """Whether every completion has ended. Asked of every request that took a token,
+        every step: a plain loop, a few times faster than all() over a generator."""
+        for c in self.completions:  # noqa: SIM110
+            if c.seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def took_token(self, completion: Completion) -> bool:
         """Feed the token the scheduler just appended to `completion` to its stop-string

@@ -65,8 +65,10 @@ class SamplingBatch:
                 torch.tensor(ids, device=device),
                 torch.tensor(values, device=device),
             )
-        banned = [
-            (i, [t for t in r.banned_token_ids if t < vocab_size]) for i, r in enumerate(requests)
+        banned = [  # a list only for the rows that ban any (min_tokens): few, if any
+            (i, [t for t in r.banned_token_ids if t < vocab_size])
+            for i, r in enumerate(requests)
+            if r.banned_token_ids
         ]
         banned = [(i, ids) for i, ids in banned if ids]
         if banned:

@@ -168,7 +168,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
-            seq.request_id, start, 1, known, not known, self._block_ids(seq), seq.params
+            seq.request_id, start, 1, known, not known, self._block_ids(seq), params
         )
 
     def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
@@ -180,8 +180,9 @@ class Scheduler:
         counts: list[int] = []
         budget = self.max_num_batched_tokens
         # A sequence whose prompt was cut into chunks goes on first.
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens <= 1:
+            if seq.status is not running or seq.num_uncomputed_tokens <= 1:
                 continue  # preempted just now, or ready to decode
             start = seq.num_computed_tokens
             n = self._image_chunk(seq, start, min(seq.num_uncomputed_tokens, budget))
@@ -295,9 +296,11 @@ class Scheduler:
                 continue  # its pending token is its last
             if blocks.holds(seq, num_tokens):  # most steps need no new block
                 seqs.append(seq)
-            elif seq.num_pending and not self._fits(seq, num_tokens):
+            elif seq.num_pending:
                 # Its token in flight may finish it: wait a step rather than preempt others.
-                continue
+                if self._fits(seq, num_tokens):
+                    blocks.allocate(seq, num_tokens)
+                    seqs.append(seq)
             elif self._make_room(seq, num_tokens):
                 seqs.append(seq)
         return (seqs, [1] * len(seqs), False) if seqs else None

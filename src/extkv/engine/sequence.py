@@ -71,7 +71,9 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the cache yet, pending ones included: 1 means a decode."""
-        return len(self) - self.num_computed_tokens
+        # len(self) less the computed ones, without calling __len__: the scheduler asks
+        # every running sequence every step.
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     def images_in(self, start: int, end: int) -> tuple[ImageInput, ...]:
         """The images whose placeholder runs overlap positions [start, end)."""

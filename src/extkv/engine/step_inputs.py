@@ -100,39 +100,48 @@ def build_step_inputs(
     work is kept to one pass of builtins each; the rest is numpy."""
     requests = plan.requests
     num_seqs = len(requests)
-    counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
     starts = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
-    cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu_seqlens[1:])
-    num_tokens = int(cu_seqlens[-1])
     if plan.is_prefill:
+        counts = np.fromiter((r.num_new_tokens for r in requests), np.int64, num_seqs)
+        cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu_seqlens[1:])
         seq_of_token = np.repeat(np.arange(num_seqs), counts)
-        positions = np.arange(num_tokens) + np.repeat(starts - cu_seqlens[:-1], counts)
+        positions = np.arange(cu_seqlens[-1]) + np.repeat(starts - cu_seqlens[:-1], counts)
     else:  # one token per sequence
-        seq_of_token, positions = np.arange(num_seqs), starts
+        counts = np.ones(num_seqs, dtype=np.int64)
+        cu_seqlens = np.arange(num_seqs + 1)
+        seq_of_token, positions = cu_seqlens[:-1], starts
+    num_tokens = int(cu_seqlens[-1])
     num_attention = len(kv_plan.attention_groups)
-    tokens = np.empty((TOKEN_ROWS + num_attention, num_tokens), dtype=np.int64)
-    known = chain.from_iterable([*r.token_ids, 0] if r.pending else r.token_ids for r in requests)
-    tokens[0] = np.fromiter(known, np.int64, num_tokens)
+    # The arrays handed on are int32 from the start: assigning casts as astype would.
+    tokens = np.empty((TOKEN_ROWS + num_attention, num_tokens), dtype=np.int32)
     tokens[1] = positions
+    # A pending token is its request's last one: id 0 there, its source row set; the
+    # known ids fill the other rows (in a decode with async scheduling, often none).
+    pending = np.fromiter((r.pending for r in requests), bool, num_seqs)
+    pending_rows = cu_seqlens[1:][pending] - 1
+    tokens[0] = 0
     tokens[2] = -1
-    pending = [(i, last_rows[r.request_id]) for i, r in enumerate(requests) if r.pending]
-    if pending:
-        rows, sources = zip(*pending, strict=True)
-        tokens[2, cu_seqlens[1:][list(rows)] - 1] = sources
-    tables = np.zeros((num_attention, num_seqs, 0), dtype=np.int64)
+    is_known = np.ones(num_tokens, dtype=bool)
+    is_known[pending_rows] = False
+    known = chain.from_iterable(r.token_ids for r in requests)
+    tokens[0, is_known] = np.fromiter(known, np.int64, num_tokens - len(pending_rows))
+    sources = (last_rows[r.request_id] for r in requests if r.pending)
+    tokens[2, pending_rows] = np.fromiter(sources, np.int64, len(pending_rows))
     if num_attention:  # they come first in block_ids, their tables all of one length
         lengths = np.fromiter((len(r.block_ids[0]) for r in requests), np.int64, num_seqs)
         width = int(lengths.max()) if num_seqs else 0
-        tables = np.zeros((num_attention, num_seqs, width), dtype=np.int64)
+        tables = np.zeros((num_attention, num_seqs, width), dtype=np.int32)
         held = np.arange(width) < lengths[:, None]  # row-major: each table in order
         for g in range(num_attention):
             ids = chain.from_iterable(r.block_ids[g] for r in requests)
             tables[g][held] = np.fromiter(ids, np.int64, int(lengths.sum()))
         size = kv_plan.block_size
         tokens[TOKEN_ROWS:] = tables[:, seq_of_token, positions // size] * size + positions % size
+    else:
+        tables = np.zeros((0, num_seqs, 0), dtype=np.int32)
     num_state = len(kv_plan.state_groups)
-    seqs = np.empty((2 + num_state, num_seqs), dtype=np.int64)
+    seqs = np.empty((2 + num_state, num_seqs), dtype=np.int32)
     seqs[0] = starts + counts
     seqs[1] = starts > 0
     for g in range(num_state):
@@ -151,10 +160,10 @@ def build_step_inputs(
     ]
     return StepInputs(
         is_prefill=plan.is_prefill,
-        tokens=tokens.astype(np.int32),
+        tokens=tokens,
         cu_seqlens=cu_seqlens.astype(np.int32),
-        seqs=seqs.astype(np.int32),
-        block_tables=tables.astype(np.int32),
+        seqs=seqs,
+        block_tables=tables,
         sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
         prompt_rows=np.array(prompt_rows, dtype=np.int64),
         encoder_inputs=[(image.hash, image.pixel_values) for image in plan.encoder_inputs],
