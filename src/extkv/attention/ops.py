@@ -7,6 +7,8 @@ extkv.models imports this package, that module is imported at call time.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from extkv.attention.metadata import AttentionMetadata
@@ -61,15 +63,49 @@ def rope_store_attention(
     if qkv.is_cuda:
         from extkv.kernels.rotary import qk_norm_rope_store
 
-        q = qk_norm_rope_store(
-            *prepare, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, metadata.slot_mapping
+        store = (k_cache, v_cache, metadata.slot_mapping)
+        head_dim = k_cache.shape[-1]
+        if not attends_own_kv(metadata, head_dim, qkv.dtype):
+            q = qk_norm_rope_store(*prepare, q_norm_weight, k_norm_weight, eps, *store)
+            return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
+        from extkv.kernels.prefill_attention import prefill_attention
+
+        keys = qkv.new_empty(qkv.shape[0], num_kv_heads, head_dim)
+        q = qk_norm_rope_store(*prepare, q_norm_weight, k_norm_weight, eps, *store, keys)
+        values = qkv.unflatten(1, (-1, head_dim))[:, num_q_heads + num_kv_heads :]
+        return prefill_attention(
+            q, keys, values, metadata.cu_seqlens_q, metadata.max_seqlen_q, scale, sliding_window
         )
-        return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
     q, k, v = qk_norm_rope(*prepare, q_norm_weight, k_norm_weight, eps)
     store_kv_reference(k, v, k_cache, v_cache, metadata.slot_mapping)
     return paged_attention_reference(
         q, k_cache, v_cache, metadata, scale, sliding_window, new_kv=(k, v)
     )
+
+
+def prefill_attention_enabled() -> bool:
+    """EXTKV_PREFILL_ATTENTION (default 1): whether a CUDA prefill with nothing cached
+    attends over the step's own K/V (extkv.kernels.prefill_attention), or (0) through
+    the paged cache as every other step does."""
+    wanted = os.environ.get("EXTKV_PREFILL_ATTENTION", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(
+            "EXTKV_PREFILL_ATTENTION must be 0 (the paged kernel) or 1 (the step's own K/V "
+            f"where nothing is cached), got {wanted!r}"
+        )
+    return wanted == "1"
+
+
+def attends_own_kv(metadata: AttentionMetadata, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a CUDA step's attention reads the step's own K/V rather than the cache: a
+    prefill with no cached prefix and no image key bounds, in a shape the prefill kernel
+    takes, unless EXTKV_PREFILL_ATTENTION=0. All of it known on the host (no sync); a
+    sliding window is the kernel's too."""
+    if not metadata.is_prefill or not prefill_attention_enabled():
+        return False
+    from extkv.kernels.prefill_attention import supports
+
+    return metadata.no_cached_prefix and metadata.key_bounds is None and supports(head_dim, dtype)
 
 
 def paged_attention(
@@ -97,11 +133,19 @@ def varlen_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    max_seqlen: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention within each sequence of a packed batch, no cache bound (the
-    profiling run): Triton on CUDA, the torch reference elsewhere."""
+    """Causal attention within each sequence of a packed batch (the longest `max_seqlen`
+    tokens), no cache bound (the profiling run): on CUDA the prefill kernel the engine's
+    prefills with nothing cached run (so it is compiled at start-up), or the paged one
+    with EXTKV_PREFILL_ATTENTION=0 or rows it does not take; the torch reference
+    elsewhere."""
     if query.is_cuda:
+        from extkv.kernels import prefill_attention as prefill
+
+        if prefill_attention_enabled() and prefill.supports(query.shape[-1], query.dtype):
+            return prefill.prefill_attention(query, key, value, cu_seqlens, max_seqlen, scale)
         from extkv.kernels.paged_attention import varlen_attention as varlen_attention_triton
 
         return varlen_attention_triton(query, key, value, cu_seqlens, scale)
