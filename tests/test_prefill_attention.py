@@ -24,11 +24,17 @@ import torch.nn.functional as F
 
 from extkv import LLM
 from extkv.attention.metadata import AttentionMetadata, ForwardContext, get_forward_context
-from extkv.attention.ops import attends_own_kv
+from extkv.attention.ops import attends_own_kv, rope_store_attention
 from extkv.attention.reference import causal_attention
 from extkv.demo import make_random_checkpoint
 from extkv.kernels.paged_attention import Tiles, paged_attention
-from extkv.kernels.prefill_attention import PREFILL_TILES, fit_tiles, prefill_attention
+from extkv.kernels.prefill_attention import (
+    PREFILL_TILES,
+    fit_tiles,
+    prefill_attention,
+    rope_store_prefill_attention,
+)
+from extkv.models.layers import RotaryEmbedding
 from helpers import (
     backport_interpreter_index_fix,
     extkv_tokens,
@@ -95,6 +101,35 @@ def check_prefill(
     assert error < tol, (lens, group, head_dim, dtype, tiles, sliding_window, use_tma, error)
 
 
+def check_engine_step(
+    group: int, head_dim: int, dtype: torch.dtype, tol: float, sliding_window: int | None = None
+) -> None:
+    """What the engine runs on CUDA for a prefill with nothing cached (Qwen3's q/k norm,
+    rotary, K/V store, attention over the step's own rows) against the CPU path of
+    `ops.rope_store_attention`: the same output, the same cache contents."""
+    lens, num_kv_heads, block_size, num_blocks = [1, 37, 20], 2, 4, 20
+    num_q_heads = group * num_kv_heads
+    num_tokens = sum(lens)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    cos_sin = RotaryEmbedding(head_dim, 64, params).cos_sin_cache
+    norm = (torch.randn(head_dim, dtype=dtype), torch.randn(head_dim, dtype=dtype), 1e-6)
+    metadata = ForwardContext.packed_prefill(lens, "cpu").attention[0]
+    metadata.slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens]
+    caches = [
+        torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)
+    ]
+    args = (qkv, positions, cos_sin, num_q_heads, num_kv_heads, *norm)
+    scale = head_dim**-0.5
+    out = rope_store_prefill_attention(*args, *caches[:2], metadata, scale, sliding_window)
+    ref = rope_store_attention(*args, *caches[2:], metadata, scale, sliding_window)
+    assert relative_error(out, ref.float()) < tol
+    for cache, expected in zip(caches[:2], caches[2:], strict=True):
+        torch.testing.assert_close(cache, expected)
+        assert cache.abs().sum() > 0  # something was written
+
+
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
 CPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -127,6 +162,10 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
                 (500, SMALL, True),  # beyond every sequence
             )
         ]
+        checks[f"engine-{str(dtype)[6:]}"] = [
+            partial(check_engine_step, 2, 64, dtype, CPU_TOL[dtype]),
+            partial(check_engine_step, 1, 32, dtype, CPU_TOL[dtype], sliding_window=9),
+        ]
     return checks
 
 
@@ -134,7 +173,7 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
     "checks",
     [
         f"{kind}-{dtype}"
-        for kind in ("causal", "tiles", "window")
+        for kind in ("causal", "tiles", "window", "engine")
         for dtype in ("float32", "bfloat16")
     ],
 )

@@ -56,26 +56,25 @@ def rope_store_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
-    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores.
+    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores
+    (and a prefill with nothing cached attends over its own K/V: `attends_own_kv`).
     On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
     back from the cache only the prefixes it continues (a whole prompt: nothing)."""
     prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
     if qkv.is_cuda:
+        cache = (k_cache, v_cache)
+        if attends_own_kv(metadata, k_cache.shape[-1], qkv.dtype):
+            from extkv.kernels.prefill_attention import rope_store_prefill_attention
+
+            return rope_store_prefill_attention(
+                *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
+            )
         from extkv.kernels.rotary import qk_norm_rope_store
 
-        store = (k_cache, v_cache, metadata.slot_mapping)
-        head_dim = k_cache.shape[-1]
-        if not attends_own_kv(metadata, head_dim, qkv.dtype):
-            q = qk_norm_rope_store(*prepare, q_norm_weight, k_norm_weight, eps, *store)
-            return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
-        from extkv.kernels.prefill_attention import prefill_attention
-
-        keys = qkv.new_empty(qkv.shape[0], num_kv_heads, head_dim)
-        q = qk_norm_rope_store(*prepare, q_norm_weight, k_norm_weight, eps, *store, keys)
-        values = qkv.unflatten(1, (-1, head_dim))[:, num_q_heads + num_kv_heads :]
-        return prefill_attention(
-            q, keys, values, metadata.cu_seqlens_q, metadata.max_seqlen_q, scale, sliding_window
+        q = qk_norm_rope_store(
+            *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata.slot_mapping
         )
+        return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
     q, k, v = qk_norm_rope(*prepare, q_norm_weight, k_norm_weight, eps)
     store_kv_reference(k, v, k_cache, v_cache, metadata.slot_mapping)
     return paged_attention_reference(

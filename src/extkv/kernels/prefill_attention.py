@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.attention.metadata import AttentionMetadata
 from extkv.kernels.paged_attention import NO_WINDOW, Tiles, _shared_memory
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+from extkv.kernels.rotary import qk_norm_rope_store
 
 _LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256  # wider rows (MLA's latent) stay on the paged kernel
@@ -352,3 +354,33 @@ def prefill_attention(
         **pdl_launch(query.device),
     )
     return out
+
+
+def rope_store_prefill_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """A prefill step with nothing cached, as the engine runs it: one kernel norms and
+    rotates q and k, writes k and v to the paged cache at the step's slots and hands k
+    over in a tensor of its own; then `prefill_attention` over those rows, v read in place
+    from qkv (T, (Hq + 2 Hkv) * D). Returns (T, Hq, D)."""
+    head_dim = k_cache.shape[-1]
+    keys = qkv.new_empty(qkv.shape[0], num_kv_heads, head_dim)
+    prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
+    norm = (q_norm_weight, k_norm_weight, eps)
+    q = qk_norm_rope_store(*prepare, *norm, k_cache, v_cache, metadata.slot_mapping, keys)
+    values = qkv.unflatten(1, (-1, head_dim))[:, num_q_heads + num_kv_heads :]
+    return prefill_attention(
+        q, keys, values, metadata.cu_seqlens_q, metadata.max_seqlen_q, scale, sliding_window
+    )
