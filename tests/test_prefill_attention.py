@@ -86,11 +86,11 @@ def check_prefill(
     tol: float,
     tiles: Tiles | None = SMALL,
     sliding_window: int | None = None,
-    use_tma: bool = False,
+    use_tma: bool | None = None,
     device: str = "cpu",
 ) -> None:
     """The kernel (into a NaN-poisoned output: every row must be written) against the
-    reference, two KV heads."""
+    reference, two KV heads; `use_tma` None: the kernel's own choice (TMA on sm90)."""
     q, k, v, cu = step_qkv(lens, group, 2, head_dim, dtype, device)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))

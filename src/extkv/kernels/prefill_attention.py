@@ -17,6 +17,7 @@ does not allow TMA) through masked pointer loads.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -255,6 +256,7 @@ def _tma_ready(t: torch.Tensor, head_dim: int) -> bool:
     )
 
 
+@functools.cache
 def _tma_supported(device: torch.device) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
