@@ -11,6 +11,11 @@ cache (split layout, bf16); a case runs as a CUDA graph of 10 calls (prefill: 3)
 replayed. `GB/s` is the K and V bytes a decode call must read over its time;
 `TFLOP/s` counts a prefill's causal QK^T and PV as 2 x heads x head_dim x L^2 per
 sequence of L tokens (bench_prefill's count).
+
+A prefill is measured twice in one run: the paged kernel over the cache, and the
+prefill kernel over the step's own K/V (what the engine runs for prompts with nothing
+cached: k a tensor of its own, v a view of the fused qkv rows), with their ratio;
+--sweep tries the tiles of both, the prefill kernel's with TMA loads and without.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from bench_gemv import graph_time_us
 from extkv.attention.metadata import AttentionMetadata
+from extkv.kernels import prefill_attention as own_kv
 from extkv.kernels.paged_attention import (
     DECODE_TILES,
     PREFILL_TILES,
@@ -111,30 +117,58 @@ def fastest(
 
 def bench_prefill_case(batch: int, length: int, sweep: bool) -> dict:
     """One layer's causal prefill of `batch` sequences of `length` new tokens (Qwen3-0.6B's
-    heads), at PREFILL_TILES and (sweep) the five fastest of many tiles."""
+    heads): the paged kernel at PREFILL_TILES and the prefill kernel over the step's own
+    K/V at its tiles, their ratio, and (sweep) the five fastest of many tiles of each."""
     num_q_heads, num_kv_heads, head_dim = HEADS["qwen3-0.6b"]
     k_cache, v_cache, metadata = paged_case(batch, length, length, num_kv_heads, head_dim)
-    query = torch.randn(batch * length, num_q_heads, head_dim, device="cuda").bfloat16()
+    num_tokens = batch * length
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, device="cuda")
+    qkv = qkv.bfloat16()
+    query = qkv[:, :num_q_heads].contiguous()
+    keys = qkv[:, num_q_heads : num_q_heads + num_kv_heads].contiguous()
+    values = qkv[:, num_q_heads + num_kv_heads :]
     out = torch.empty_like(query)
     tflop = 2 * num_q_heads * head_dim * length**2 * batch / 1e12
 
-    def time_us(tiles: Tiles) -> float:
+    def paged_us(tiles: Tiles) -> float:
         def call(_: int) -> None:
             paged_attention(query, k_cache, v_cache, metadata, 0.1, out, tiles=tiles)
 
         return graph_time_us(call, 3)
 
-    us = time_us(PREFILL_TILES)
-    row = {"case": f"prefill {batch}x{length}", "default": {"us": us, "TFLOP/s": tflop / us * 1e6}}
-    row["default"]["config"] = str(PREFILL_TILES)
-    if sweep:
-        candidates = {
-            str(tiles): partial(time_us, tiles)
-            for tiles in itertools.starmap(
-                Tiles, itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    def own_us(tiles: Tiles | None, use_tma: bool | None = None) -> float:
+        def call(_: int) -> None:
+            own_kv.prefill_attention(
+                query, keys, values, metadata.cu_seqlens_q, length, 0.1, None, out, tiles, use_tma
             )
-        }
-        row["top"] = fastest(candidates, lambda us: tflop / us * 1e6)
+
+        return graph_time_us(call, 3)
+
+    def result(us: float, config: str) -> dict:
+        return {"us": us, "TFLOP/s": tflop / us * 1e6, "config": config}
+
+    row = {"case": f"prefill {batch}x{length}"}
+    row["default"] = result(paged_us(PREFILL_TILES), f"paged {PREFILL_TILES}")
+    row["own_kv"] = result(own_us(None), f"own K/V {own_kv.PREFILL_TILES}, tma=auto")
+    row["speedup"] = row["default"]["us"] / row["own_kv"]["us"]
+    if sweep:
+        tiles = list(
+            itertools.starmap(Tiles, itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+        )
+
+        def rate(us: float) -> float:
+            return tflop / us * 1e6
+
+        row["top"] = fastest({f"paged {t}": partial(paged_us, t) for t in tiles}, rate)
+        row["own_kv_top"] = fastest(
+            {
+                f"own K/V {t}, tma={tma}": partial(own_us, t, tma)
+                for t in tiles
+                for tma in (True, False)
+                if t.block_n >= 64
+            },
+            rate,
+        )
     logger.info("%s", row)
     return row
 
@@ -161,10 +195,16 @@ def main() -> None:
         unit = "GB/s"
     print(f"== attention: {title}")
     for r in rows:
-        d = r["default"]
-        print(f"{r['case']:<18} {d['us']:7.2f} ({d[unit]:5.0f})  {d['config']}")
-        for us, rate, config in r.get("top", []):
-            print(f"{'':18} {us:7.2f} ({rate:5.0f})  {config}")
+        for key, top in (("default", "top"), ("own_kv", "own_kv_top")):
+            if key not in r:
+                continue
+            d = r[key]
+            case = r["case"] if key == "default" else ""
+            print(f"{case:<18} {d['us']:7.2f} ({d[unit]:5.0f})  {d['config']}")
+            for us, rate, config in r.get(top, []):
+                print(f"{'':18} {us:7.2f} ({rate:5.0f})  {config}")
+        if "speedup" in r:
+            print(f"{'':18} own K/V vs paged: {r['speedup']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

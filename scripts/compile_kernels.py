@@ -8,7 +8,10 @@ Front-end and back-end errors (a Triton version's typing rules, PTX assembly) sh
 here in seconds, where the device costs minutes: every variant of the GEMV (plain,
 SiLU*mul and RMSNorm inputs, with and without residual, split K, PDL with the L2
 prefetch), of the paged attention (decode splits, prefill, PDL, image key bounds, MLA's
-latent rows; each checked against sm90's shared memory) and its merge, the RMSNorm and
+latent rows; each checked against sm90's shared memory) and its merge, of the prefill
+attention over a step's own K/V (TMA descriptors or pointer loads, sliding window, head
+dims 64 to 256 at the tiles fit for them; its dots on wgmma, its TMA loads there), the
+q/k norm + rotary + KV store kernel (with and without its k output), the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share, and the fused MoE's kernels.
 """
 
@@ -23,7 +26,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from extkv.kernels import activation, fused_moe, gemv, norm, paged_attention
+from extkv.kernels import (
+    activation,
+    fused_moe,
+    gemv,
+    norm,
+    paged_attention,
+    prefill_attention,
+    rotary,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -144,6 +155,74 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
     return variants
 
 
+def prefill_attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
+    """The prefill kernel over a step's own K/V at Qwen3-0.6B's heads (TMA or pointer
+    loads, with and without a window), Llama's head dim 64 and Gemma 3's 256 (tiles cut
+    by fit_tiles), bf16; a GQA group of 1 and 4: (name, types, constexprs, options)."""
+    variants = []
+    cases = [(2, 128, tma, window) for tma in (True, False) for window in (False, True)]
+    cases += [(4, 64, True, False), (1, 256, True, True), (2, 256, False, False)]
+    for group, head_dim, tma, window in cases:
+        tiles = prefill_attention.fit_tiles(
+            prefill_attention.PREFILL_TILES, head_dim, 2, torch.device("cpu")
+        )
+        types = {"out_ptr": "*bf16", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32"}
+        for name, rows in (
+            ("q_src", tiles.block_m),
+            ("k_src", tiles.block_n),
+            ("v_src", tiles.block_n),
+        ):
+            types[name] = f"tensordesc<bf16[{rows},{head_dim}]>" if tma else "*bf16"
+        constexprs = dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            HAS_WINDOW=window,
+            USE_TMA=tma,
+            DOT_PRECISION="tf32",
+            USE_PDL=True,
+        )
+        options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        label = (
+            f"prefill attention heads/kv={group} head_dim={head_dim} {tiles} tma={tma:d} "
+            f"window={window:d}"
+        )
+        variants.append((label, types, constexprs, options))
+    return variants
+
+
+def rotary_variants() -> list[tuple[str, dict[str, str], dict]]:
+    """The q/k norm + rotary + KV store kernel at Qwen3-0.6B's heads, with and without its
+    k output (a prefill attending over its own K/V) and PDL."""
+    types = {
+        **dict.fromkeys(("qkv_ptr", "q_weight_ptr", "k_weight_ptr", "q_out_ptr"), "*bf16"),
+        **dict.fromkeys(("k_out_ptr", "k_cache_ptr", "v_cache_ptr"), "*bf16"),
+        "positions_ptr": "*i64",
+        "cos_sin_ptr": "*fp32",
+        "slot_ptr": "*i64",
+        "eps": "fp32",
+    }
+    variants = []
+    for keys, pdl in itertools.product((False, True), (False, True)):
+        constexprs = dict(
+            NUM_Q_HEADS=16,
+            NUM_KV_HEADS=8,
+            HEAD_DIM=128,
+            DIM_P2=128,
+            ROTARY_DIM=128,
+            HEADS=4,
+            Q_TILES=4,
+            BLOCK_SIZE=16,
+            HAS_NORM=True,
+            K_OUT=keys,
+            USE_PDL=pdl,
+        )
+        variants.append((f"qk_norm_rope_store keys={keys:d} pdl={pdl:d}", types, constexprs))
+    return variants
+
+
 GEMV_OPTIONS = dict(num_warps=4, num_stages=6)  # gemv_config's
 
 
@@ -201,6 +280,11 @@ def main() -> int:
         (paged_attention._paged_attention_kernel, (name, types, constexprs), options)
         for name, types, constexprs, options in attention_variants()
     ]
+    jobs += [
+        (prefill_attention._prefill_attention_kernel, (name, types, constexprs), options)
+        for name, types, constexprs, options in prefill_attention_variants()
+    ]
+    jobs += [(rotary._qk_norm_rope_store_kernel, v, {"num_warps": 4}) for v in rotary_variants()]
     merge_types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     for pdl in (False, True):
         merge = dict(HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=4, USE_PDL=pdl)
@@ -226,6 +310,11 @@ def main() -> int:
             asm = compile_for_hopper(fn, types, constexprs, **options)
             if fn is gemv._gemv_kernel and "async_copy_global_to_local" not in asm["ttgir"]:
                 raise RuntimeError("the GEMV's loads are not pipelined (no async copy)")
+            if fn is prefill_attention._prefill_attention_kernel:
+                if "wgmma.mma_async" not in asm["ptx"]:
+                    raise RuntimeError("the prefill attention's dots are not on wgmma")
+                if constexprs["USE_TMA"] and "cp.async.bulk.tensor" not in asm["ptx"]:
+                    raise RuntimeError("the prefill attention's TMA loads are not TMA copies")
             print(f"ok    {name}")
         except Exception as e:  # a compile error of any kind: report it and go on
             failed += 1

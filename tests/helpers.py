@@ -238,6 +238,24 @@ def kv_groups(
     return [KVCacheGroup([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
 
 
+def backport_interpreter_index_fix() -> None:
+    """Let interpreted loops take bounds loaded from memory on Triton 3.6 with numpy >= 2.4.
+
+    That interpreter holds scalars as 1-element arrays and turns loop bounds into
+    ints with `int(array)`, which such numpy refuses (triton-lang/triton#9171);
+    newer Triton squeezes first, as done here.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
 def interpreter_rounds_bf16_to_nearest() -> None:
     """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU does.
 

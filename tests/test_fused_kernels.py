@@ -118,9 +118,12 @@ class RopeCase:
         )
 
 
-def check_qk_norm_rope_store(layout: str, case: RopeCase, block_size: int = 4) -> None:
+def check_qk_norm_rope_store(
+    layout: str, case: RopeCase, block_size: int = 4, with_keys: bool = False
+) -> None:
     """q, and the whole cache buffer: written slots match, padding (-1) slots and page
-    padding stay as they were."""
+    padding stay as they were. `with_keys`: k also comes back in a tensor of its own (the
+    prefill kernel's input), every token's, padding ones included."""
     num_tokens, num_blocks = 11, 6
     args = case.inputs(num_tokens)
     cache = Cache.random(
@@ -130,9 +133,15 @@ def check_qk_norm_rope_store(layout: str, case: RopeCase, block_size: int = 4) -
     slots[::4] = -1
     expected = cache.rebased(cache.buf.clone())
     q_ref = reference.qk_norm_rope_store(*args, expected.k, expected.v, slots)
-    q = qk_norm_rope_store(*args, cache.k, cache.v, slots)
+    keys = None
+    if with_keys:
+        keys = torch.full((num_tokens, case.num_kv_heads, case.head_dim), float("nan"))
+        keys = keys.to(case.dtype).to(case.device)
+    q = qk_norm_rope_store(*args, cache.k, cache.v, slots, keys)
     assert_matches(q, q_ref)
     assert_matches(cache.buf, expected.buf)
+    if with_keys:
+        assert_matches(keys, reference.qk_norm_rope(*args)[1])
 
 
 def check_qk_norm_rope(case: RopeCase) -> None:
@@ -151,6 +160,11 @@ def test_bad_shapes_are_refused() -> None:
         qk_norm_rope(
             qkv[:, 1:], torch.zeros(3, dtype=torch.long), cos_sin[:, :5], 4, 1, None, None, 0
         )
+    with pytest.raises(ValueError, match=r"keys must be \(3, 1, 32\) with contiguous"):
+        k_cache = torch.empty(2, 4, 1, 32)
+        slots = torch.zeros(3, dtype=torch.long)
+        qk = (qkv[:, 1:], torch.zeros(3, dtype=torch.long), cos_sin, 4, 1, None, None, 0)
+        qk_norm_rope_store(*qk, k_cache, k_cache, slots, torch.empty(3, 2, 32))
     with pytest.raises(ValueError, match=r"\(T, 2I\)"):
         silu_and_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="group_size 5 must divide"):
@@ -179,11 +193,21 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
                 for layout in LAYOUTS
                 for dtype in DTYPES
             ),
+            *(
+                partial(
+                    check_qk_norm_rope_store,
+                    "split",
+                    RopeCase(4, 2, 32, 32, True, dtype, "cpu"),
+                    with_keys=True,
+                )
+                for dtype in DTYPES
+            ),
             # odd heads, partial, odd dim
             partial(
                 check_qk_norm_rope_store,
                 "split",
                 RopeCase(3, 1, 24, 12, False, torch.bfloat16, "cpu"),
+                with_keys=True,
             ),
             partial(
                 check_qk_norm_rope_store,
@@ -245,6 +269,7 @@ def test_silu_and_mul_gpu(inner: int, dtype: torch.dtype) -> None:
     ],
     ids=["qwen3", "llama", "bamba-partial", "odd"],
 )
+@pytest.mark.parametrize("with_keys", [False, True])
 def test_qk_norm_rope_store_gpu(
     layout: str,
     heads: tuple[int, int],
@@ -252,9 +277,10 @@ def test_qk_norm_rope_store_gpu(
     rotary_dim: int,
     qk_norm: bool,
     dtype: torch.dtype,
+    with_keys: bool,
 ) -> None:
     case = RopeCase(*heads, head_dim, rotary_dim, qk_norm, dtype, "cuda")
-    check_qk_norm_rope_store(layout, case, block_size=16)
+    check_qk_norm_rope_store(layout, case, block_size=16, with_keys=with_keys)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from extkv.kernels.paged_attention import (
     varlen_attention,
 )
 from extkv.kernels.store_kv import store_kv
-from helpers import LAYOUTS, Cache
+from helpers import LAYOUTS, Cache, backport_interpreter_index_fix
 
 
 @dataclass
@@ -412,24 +412,6 @@ def test_mla_decode_gpu(num_heads: int) -> None:
     """DeepSeek's 576-value latent rows (kv_lora_rank 512 + rope 64); a 32-head group is
     the most whose tiles fit an H200's shared memory (sm90 compile: 200 KB, 64 heads 262)."""
     check_mla_decode(16, num_heads, 576, torch.bfloat16, "cuda", GPU_TOL)
-
-
-def backport_interpreter_index_fix() -> None:
-    """Let interpreted loops take bounds loaded from memory on Triton 3.6 with numpy >= 2.4.
-
-    That interpreter holds scalars as 1-element arrays and turns loop bounds into
-    ints with `int(array)`, which such numpy refuses (triton-lang/triton#9171);
-    newer Triton squeezes first, as done here.
-    """
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor: type, scope: object) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ class Attention(nn.Module):
         prepare = (qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads)
         if self.k_cache.numel() == 0:
             q, k, v = qk_norm_rope(*prepare, q_weight, k_weight, eps)
-            out = varlen_attention(q, k, v, metadata.cu_seqlens_q, self.scale)
+            out = varlen_attention(
+                q, k, v, metadata.cu_seqlens_q, metadata.max_seqlen_q, self.scale
+            )
         else:
             cache = (self.k_cache, self.v_cache)
             out = rope_store_attention(

@@ -29,6 +29,10 @@ class AttentionMetadata:
     `key_bounds` (a prefill with images whose tokens attend to each other, Gemma 3):
     the last key position each new token sees, its own or its image's last (a sliding
     window still counts back from its own); None: its own (causal).
+
+    `no_cached_prefix` (a prefill): no sequence continues a cached prefix (every
+    `context_lens[s]` is its `q_len(s)`), so every key is one of the step's own tokens;
+    known on the host, it lets CUDA attend over the step's K/V without the cache.
     """
 
     is_prefill: bool
@@ -39,6 +43,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_context_len: int
     key_bounds: torch.Tensor | None = None  # int32 (num_tokens,)
+    no_cached_prefix: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +96,7 @@ class ForwardContext:
             block_tables=torch.zeros(len(lengths), 0, dtype=torch.int32, device=device),
             max_seqlen_q=max(lengths),
             max_context_len=max(lengths),
+            no_cached_prefix=True,
         )
         return cls(
             (attention,) * num_attention_groups,

@@ -77,7 +77,9 @@ class MLAAttention(nn.Module):
         metadata = get_forward_context().attention[self.kv_group]
         if self.k_cache.numel() == 0:
             q, k, v = _same_head_dim(query, *self._up_project(latent, kv_b_weight))
-            out = varlen_attention(q, k, v, metadata.cu_seqlens_q, self.scale)
+            out = varlen_attention(
+                q, k, v, metadata.cu_seqlens_q, metadata.max_seqlen_q, self.scale
+            )
         else:
             store_latent(latent[:, None], self.k_cache, metadata.slot_mapping)
             if metadata.is_prefill:

@@ -7,6 +7,8 @@ extkv.models imports this package, that module is imported at call time.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from extkv.attention.metadata import AttentionMetadata
@@ -54,15 +56,23 @@ def rope_store_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
-    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores.
+    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores
+    (and a prefill with nothing cached attends over its own K/V: `attends_own_kv`).
     On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
     back from the cache only the prefixes it continues (a whole prompt: nothing)."""
     prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
     if qkv.is_cuda:
+        cache = (k_cache, v_cache)
+        if attends_own_kv(metadata, k_cache.shape[-1], qkv.dtype):
+            from extkv.kernels.prefill_attention import rope_store_prefill_attention
+
+            return rope_store_prefill_attention(
+                *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
+            )
         from extkv.kernels.rotary import qk_norm_rope_store
 
         q = qk_norm_rope_store(
-            *prepare, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, metadata.slot_mapping
+            *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata.slot_mapping
         )
         return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window)
     q, k, v = qk_norm_rope(*prepare, q_norm_weight, k_norm_weight, eps)
@@ -70,6 +80,31 @@ def rope_store_attention(
     return paged_attention_reference(
         q, k_cache, v_cache, metadata, scale, sliding_window, new_kv=(k, v)
     )
+
+
+def prefill_attention_enabled() -> bool:
+    """EXTKV_PREFILL_ATTENTION (default 1): whether a CUDA prefill with nothing cached
+    attends over the step's own K/V (extkv.kernels.prefill_attention), or (0) through
+    the paged cache as every other step does."""
+    wanted = os.environ.get("EXTKV_PREFILL_ATTENTION", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(
+            "EXTKV_PREFILL_ATTENTION must be 0 (the paged kernel) or 1 (the step's own K/V "
+            f"where nothing is cached), got {wanted!r}"
+        )
+    return wanted == "1"
+
+
+def attends_own_kv(metadata: AttentionMetadata, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a CUDA step's attention reads the step's own K/V rather than the cache: a
+    prefill with no cached prefix and no image key bounds, in a shape the prefill kernel
+    takes, unless EXTKV_PREFILL_ATTENTION=0. All of it known on the host (no sync); a
+    sliding window is the kernel's too."""
+    if not metadata.is_prefill or not prefill_attention_enabled():
+        return False
+    from extkv.kernels.prefill_attention import supports
+
+    return metadata.no_cached_prefix and metadata.key_bounds is None and supports(head_dim, dtype)
 
 
 def paged_attention(
@@ -97,11 +132,19 @@ def varlen_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    max_seqlen: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention within each sequence of a packed batch, no cache bound (the
-    profiling run): Triton on CUDA, the torch reference elsewhere."""
+    """Causal attention within each sequence of a packed batch (the longest `max_seqlen`
+    tokens), no cache bound (the profiling run): on CUDA the prefill kernel the engine's
+    prefills with nothing cached run (so it is compiled at start-up), or the paged one
+    with EXTKV_PREFILL_ATTENTION=0 or rows it does not take; the torch reference
+    elsewhere."""
     if query.is_cuda:
+        from extkv.kernels import prefill_attention as prefill
+
+        if prefill_attention_enabled() and prefill.supports(query.shape[-1], query.dtype):
+            return prefill.prefill_attention(query, key, value, cu_seqlens, max_seqlen, scale)
         from extkv.kernels.paged_attention import varlen_attention as varlen_attention_triton
 
         return varlen_attention_triton(query, key, value, cu_seqlens, scale)

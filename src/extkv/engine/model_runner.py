@@ -426,6 +426,7 @@ class ModelRunner:
             int((inputs.cu_seqlens[1:] - inputs.cu_seqlens[:-1]).max()),
             int(inputs.seqs[0].max()),
             key_bounds,
+            inputs.no_cached_prefix,
         )
         hidden = self._hidden(context, views, inputs.image_rows)
         result = StepLogits()

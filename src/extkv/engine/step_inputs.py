@@ -76,6 +76,11 @@ class StepInputs:
     key_bounds: np.ndarray | None = None  # int32 (num_tokens,)
 
     @property
+    def no_cached_prefix(self) -> bool:
+        """A prefill whose sequences all start at their first token (nothing cached)."""
+        return self.is_prefill and not self.seqs[1].any()
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the step, before padding."""
         return self.tokens.shape[1]
@@ -209,10 +214,11 @@ class StepViews:
         max_seqlen_q: int,
         max_context_len: int,
         key_bounds: torch.Tensor | None = None,
+        no_cached_prefix: bool = False,
     ) -> ForwardContext:
         """The step's forward context over these views: attention metadata per attention
-        group (their slots and tables; the rest shared, `key_bounds` too), a Mamba part
-        with state groups."""
+        group (their slots and tables; the rest shared, `key_bounds` and
+        `no_cached_prefix` too), a Mamba part with state groups."""
         attention = tuple(
             AttentionMetadata(
                 is_prefill=is_prefill,
@@ -223,6 +229,7 @@ class StepViews:
                 max_seqlen_q=max_seqlen_q,
                 max_context_len=max_context_len,
                 key_bounds=key_bounds,
+                no_cached_prefix=no_cached_prefix,
             )
             for slots, tables in zip(self.slot_mappings, self.block_tables, strict=True)
         )

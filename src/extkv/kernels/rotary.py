@@ -3,9 +3,11 @@
 Per head: optional RMSNorm (Qwen3's q/k norm), rotary embedding (rotate-half,
 only the leading `rotary_dim` channels; cos/sin gathered by position from the
 model's fp32 table), then q to its own tensor and k, v straight into the paged
-KV cache. In torch this is a dozen small kernels per layer plus a store; the
-cache views are addressed through their strides, so every layout takes the
-same kernel. Roundings follow Hugging Face's op order in the model dtype.
+KV cache; k also to a tensor of its own where a prefill attends over its own K/V
+(extkv.kernels.prefill_attention, which reads v from qkv). In torch this is a dozen
+small kernels per layer plus a store; the cache views are addressed through their
+strides, so every layout takes the same kernel. Roundings follow Hugging Face's op
+order in the model dtype.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def _qk_norm_rope_store_kernel(
     q_weight_ptr,
     k_weight_ptr,
     q_out_ptr,
+    k_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
@@ -79,6 +82,8 @@ def _qk_norm_rope_store_kernel(
     stride_cos_sin,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
     stride_kcb,
     stride_kcs,
     stride_kch,
@@ -97,9 +102,11 @@ def _qk_norm_rope_store_kernel(
     Q_TILES: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    K_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per (token, tile of HEADS heads): q tiles first, then k/v tiles."""
+    """One program per (token, tile of HEADS heads): q tiles first, then k/v tiles.
+    K_OUT: k also goes to `k_out_ptr` (T, Hkv, D), padding tokens (slot -1) included."""
     wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -117,23 +124,17 @@ def _qk_norm_rope_store_kernel(
         q_dst = q_out_ptr + token * stride_qt + head * stride_qh + dim
         tl.store(q_dst, q.to(q_out_ptr.dtype.element_ty), mask=live)
     else:
+        head = (tile - Q_TILES) * HEADS + rows
+        live = (head < NUM_KV_HEADS) & (dim < HEAD_DIM)
+        k_row = row_ptr + NUM_Q_HEADS * HEAD_DIM
+        k = _norm_rope(
+            k_row, cos_sin_row, k_weight_ptr, head, dim, live, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
+        )
+        if K_OUT:
+            keys_dst = k_out_ptr + token * stride_kt + head * stride_kh + dim
+            tl.store(keys_dst, k.to(k_out_ptr.dtype.element_ty), mask=live)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:  # -1: a padding token, its slot stays untouched
-            head = (tile - Q_TILES) * HEADS + rows
-            live = (head < NUM_KV_HEADS) & (dim < HEAD_DIM)
-            k_row = row_ptr + NUM_Q_HEADS * HEAD_DIM
-            k = _norm_rope(
-                k_row,
-                cos_sin_row,
-                k_weight_ptr,
-                head,
-                dim,
-                live,
-                eps,
-                HEAD_DIM,
-                ROTARY_DIM,
-                HAS_NORM,
-            )
             v_row = k_row + NUM_KV_HEADS * HEAD_DIM
             v = tl.load(v_row + head * HEAD_DIM + dim, mask=live)
             block = slot // BLOCK_SIZE
@@ -172,16 +173,24 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split qkv (T, (Hq + 2 Hkv) * D), norm (when weights are given) and rotate q and
     k, write k and v to the caches (num_blocks, block_size, Hkv, D; any strides) at
-    slot_mapping (-1 skips a token). Returns q (T, Hq, D) in qkv's dtype.
+    slot_mapping (-1 skips a token), and k to `keys` (T, Hkv, D; contiguous channels)
+    where given, every token's. Returns q (T, Hq, D) in qkv's dtype.
 
     cos_sin_cache (max_position, rotary_dim): cos then sin of each frequency, fp32.
     """
     head_dim = k_cache.shape[-1]
     _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
+    wanted = (num_tokens, num_kv_heads, head_dim)
+    if keys is not None and (tuple(keys.shape) != wanted or keys.stride(2) != 1):
+        raise ValueError(
+            f"keys must be {wanted} with contiguous channels, got shape "
+            f"{tuple(keys.shape)}, strides {keys.stride()}"
+        )
     q = qkv.new_empty(num_tokens, num_q_heads, head_dim)
     if num_tokens == 0:
         return q
@@ -198,12 +207,14 @@ def qk_norm_rope_store(
         q_norm_weight if has_norm else qkv,  # never read without HAS_NORM
         k_norm_weight if has_norm else qkv,
         q,
+        q if keys is None else keys,  # never written without K_OUT
         k_cache,
         v_cache,
         slot_mapping,
         qkv.stride(0),
         cos_sin_cache.stride(0),
         *q.stride()[:2],
+        *(q if keys is None else keys).stride()[:2],
         *k_cache.stride(),
         *v_cache.stride(),
         eps,
@@ -216,6 +227,7 @@ def qk_norm_rope_store(
         Q_TILES=q_tiles,
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
+        K_OUT=keys is not None,
         num_warps=4,
         **pdl_launch(qkv.device),
     )
