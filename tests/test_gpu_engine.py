@@ -4,6 +4,7 @@ graphs captured at start-up."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -139,6 +140,28 @@ def test_level_one_sleep_fills_the_host_copy_pinned_at_start_up() -> None:
     cudart = torch.cuda.cudart()
     assert int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)) == 0  # was released
     cudart.cudaHostUnregister(host.data_ptr())
+
+
+def test_torchs_cache_before_start_up_is_not_budgeted_twice(small_qwen3: Path) -> None:
+    """Memory torch caches in this process but no tensor uses (a checkpoint just built on
+    the device) is not another's: the engine takes no more than gpu_memory_utilization
+    of the device (before, it counted the cache as held by others, gave it back while
+    profiling and then sized the KV cache into it as well)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    torch.empty(4 << 30, dtype=torch.uint8, device="cuda")  # freed at once, still cached
+    utilization = 0.3
+    llm = LLM(
+        small_qwen3,
+        enable_extensible_kv_cache=True,
+        gpu_memory_utilization=utilization,
+        max_model_len=512,
+        max_num_seqs=16,
+    )
+    taken = free_before - torch.cuda.mem_get_info()[0]
+    assert 0.9 * utilization * total <= taken <= utilization * total
+    llm.close()
 
 
 ACTIVATION_HOLD_SCRIPT = """

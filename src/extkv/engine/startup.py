@@ -22,6 +22,7 @@ each extends its own cache to it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import warnings
@@ -132,9 +133,15 @@ def use_extensible(config: EngineConfig) -> bool:
 
 def free_memory_at_start(config: EngineConfig) -> int:
     """Free device memory before the engine takes any: what others hold is not ours
-    to budget. Call before the weights are loaded."""
+    to budget. Call before the weights are loaded. What torch caches in this process
+    without using it (say, a checkpoint just built on the device) goes back to the
+    driver first: counted as held by others, it would be given back later, during the
+    profile, and the engine would then budget it as well, past gpu_memory_utilization."""
     if config.device.type != "cuda":
         return 0
+    gc.collect()  # tensors already unreachable still hold their blocks until collected
+    torch.cuda.synchronize(config.device)
+    torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(config.device)[0]
 
 
