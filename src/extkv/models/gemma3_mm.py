@@ -56,7 +56,10 @@ class Gemma3MultiModalProjector(nn.Module):
         side = self.patches_per_side
         grid = features.transpose(1, 2).reshape(n, hidden, side, side)
         pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)
-        normed = self.mm_soft_emb_norm(pooled.reshape(-1, hidden))[0].view(n, -1, hidden)
+        # One row per cell, its channels contiguous (the CUDA norm reads rows): for one
+        # image the reshape alone would be a strided view.
+        rows = pooled.reshape(-1, hidden).contiguous()
+        normed = self.mm_soft_emb_norm(rows)[0].view(n, -1, hidden)
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(features)
 
 
