@@ -67,6 +67,29 @@ def smollm2_135m_checkpoint(folder: str = "/tmp/extkv-bench/smollm2-135m-random"
     return random_checkpoint(folder, "llama", SMOLLM2_135M_SHAPE)
 
 
+# Gemma3-1B's text config: every sixth layer global.
+GEMMA3_1B_SHAPE = dict(
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+)
+
+
+def gemma3_1b_checkpoint(folder: str = "/tmp/extkv-bench/gemma3-1b") -> Path:
+    """A random bf16 checkpoint of Gemma3-1B's text shape (5 sliding : 1 global layers)."""
+    return random_checkpoint(folder, "gemma3", GEMMA3_1B_SHAPE)
+
+
 def tiny_checkpoint(architecture: str = "qwen3") -> Path:
     """A tiny random checkpoint (demo size) for the benchmarks' --smoke runs on the CPU."""
     return random_checkpoint(f"/tmp/extkv-bench/tiny-{architecture}", architecture)

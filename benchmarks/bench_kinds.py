@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from _common import (
+    GEMMA3_1B_SHAPE,
     Column,
     DecodeSetting,
     Rows,
@@ -76,22 +77,6 @@ DEEPSEEK_V2_LITE_SHAPE = dict(
     max_position_embeddings=4096,
     initializer_range=0.02,
     tie_word_embeddings=False,
-)
-# Gemma3-1B's text config: every sixth layer global.
-GEMMA3_1B_SHAPE = dict(
-    vocab_size=262144,
-    hidden_size=1152,
-    intermediate_size=6912,
-    num_hidden_layers=26,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=256,
-    query_pre_attn_scalar=256,
-    sliding_window=512,
-    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
-    rope_theta=1_000_000.0,
-    max_position_embeddings=32768,
-    initializer_range=0.02,
 )
 # name -> (demo architecture, full shape)
 MODELS: dict[str, tuple[str, dict[str, object]]] = {

@@ -1,6 +1,6 @@
 """Where one decode step's time goes: wall, GPU and host milliseconds, kernels and
 blocking waits per step, and the memory-bandwidth roofline, on the Qwen3-0.6B shape
-(or SmolLM2-135M's: --shape smollm2-135m).
+(or SmolLM2-135M's: --shape smollm2-135m; Gemma3-1B's: --shape gemma3-1b).
 
     python benchmarks/bench_step.py [--batch-sizes 1 256] [--shape S] [--prompt-len N]
         [--baseline-src DIR] [--json OUT]
@@ -55,6 +55,7 @@ from _common import (
     benchmark_parser,
     device_bandwidth,
     engine_options,
+    gemma3_1b_checkpoint,
     measure_and_report,
     profile_kernels,
     qwen3_0_6b_checkpoint,
@@ -187,7 +188,11 @@ def weights_bytes(llm: LLM, checkpoint: Path) -> int:
     return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
 
 
-SHAPES = {"qwen3-0.6b": qwen3_0_6b_checkpoint, "smollm2-135m": smollm2_135m_checkpoint}
+SHAPES = {
+    "qwen3-0.6b": qwen3_0_6b_checkpoint,
+    "smollm2-135m": smollm2_135m_checkpoint,
+    "gemma3-1b": gemma3_1b_checkpoint,
+}
 
 
 def checkpoint(args) -> Path:
