@@ -226,8 +226,12 @@ def test_dispatch_reads_own_kv_only_where_nothing_is_cached(
 ) -> None:
     """The host decides from the step's metadata alone: whole prompts (windowed or not)
     take the prefill kernel; a cached prefix, image key bounds, a decode, rows wider than
-    256 or EXTKV_PREFILL_ATTENTION=0 keep the paged one; a bad switch value is refused."""
+    256 or EXTKV_PREFILL_ATTENTION=0 (the default) keep the paged one; a bad switch value
+    is refused."""
+    monkeypatch.delenv("EXTKV_PREFILL_ATTENTION", raising=False)
     whole = prefill_metadata([7, 1, 30])
+    assert not attends_own_kv(whole, 128, torch.bfloat16)  # off unless asked for
+    monkeypatch.setenv("EXTKV_PREFILL_ATTENTION", "1")
     assert attends_own_kv(whole, 128, torch.bfloat16)
     assert attends_own_kv(whole, 256, torch.float32)
     assert not attends_own_kv(whole, 576, torch.bfloat16)  # MLA's latent rows
