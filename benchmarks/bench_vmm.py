@@ -1,7 +1,12 @@
-"""Commit throughput of ExtensibleTensor vs torch.empty + zero_(), and kernel bandwidth
-over VMM memory vs a plain allocation, side by side in one run (CUDA only).
+"""Commit throughput of ExtensibleTensor vs torch.empty + zero_(), the time to give
+committed memory back by physical allocation size, and kernel bandwidth over VMM memory
+vs a plain allocation, side by side in one run (CUDA only).
 
     python benchmarks/bench_vmm.py [--sizes-gib 1 16 100] [--json OUT]
+
+The release table decides what a level-1 sleep's KV release (123 GiB in 0.146 s on the
+H200, in allocations of granules.MAX_ALLOCATION_BYTES) is made of: if it costs per
+driver call, larger allocations free it faster; if per byte, nothing here will.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 from _common import copy_bandwidth, write_json
 from extkv import ExtensibleTensor
+from extkv.vmm import granules
 
 GiB = 1 << 30
 
@@ -42,6 +48,22 @@ def torch_alloc_zero_seconds(size: int) -> float:
     finally:
         holder.clear()
         torch.cuda.empty_cache()
+
+
+def release_seconds(size: int, allocation_bytes: int) -> float:
+    """Commit `size` bytes in physical allocations of at most `allocation_bytes`, then
+    time giving all of them back (the shrink a sleep does)."""
+    default = granules.MAX_ALLOCATION_BYTES
+    granules.MAX_ALLOCATION_BYTES = allocation_bytes  # read when the tensor is made
+    try:
+        buf = ExtensibleTensor(size, "cuda")
+    finally:
+        granules.MAX_ALLOCATION_BYTES = default
+    try:
+        buf.resize_(size)
+        return _timed(lambda: buf.shrink_per_segment_(0))
+    finally:
+        buf.free()
 
 
 def bandwidth_ratio(size: int) -> dict[str, float]:
@@ -84,6 +106,16 @@ def main() -> None:
                         "ratio_vs_torch": round(seconds / baseline, 3),
                     }
                 )
+    releases = [
+        {
+            "gib": gib,
+            "allocation_gib": piece,
+            "release_s": round(release_seconds(gib * GiB, piece * GiB), 4),
+        }
+        for gib in args.sizes_gib
+        for piece in sorted({1, 4, gib})
+        if piece <= gib
+    ]
     bandwidth = bandwidth_ratio(8 * GiB)
     print(f"{'GiB':>5} {'seg':>3} {'zero':>5} {'commit s':>9} {'torch s':>8} {'ratio':>6}")
     for r in rows:
@@ -91,11 +123,15 @@ def main() -> None:
             f"{r['gib']:>5} {r['segments']:>3} {r['zero_new']!s:>5} {r['commit_s']:>9.4f} "
             f"{r['torch_empty_zero_s']:>8.4f} {r['ratio_vs_torch']:>6.3f}"
         )
+    print(f"{'GiB':>5} {'alloc GiB':>9} {'release s':>9} {'GiB/s':>7}")
+    for r in releases:
+        rate = r["gib"] / max(r["release_s"], 1e-9)
+        print(f"{r['gib']:>5} {r['allocation_gib']:>9} {r['release_s']:>9.4f} {rate:>7.0f}")
     print(
         f"copy bandwidth 8 GiB: VMM {bandwidth['vmm_gbps']:.0f} GB/s, plain "
         f"{bandwidth['plain_gbps']:.0f} GB/s, ratio {bandwidth['ratio']:.3f}"
     )
-    write_json(args.json, {"commit": rows, "bandwidth": bandwidth})
+    write_json(args.json, {"commit": rows, "release": releases, "bandwidth": bandwidth})
 
 
 if __name__ == "__main__":
