@@ -98,7 +98,8 @@ def test_legacy_and_extensible_are_identical(moe_model: Path) -> None:
 
 def test_per_expert_tensors_fill_the_stacked_experts(tmp_path: Path) -> None:
     """Expert e's gate, up and down land in row e of the stacked weights (gate rows then up
-    rows); a missing or misshapen expert tensor is an error naming it."""
+    rows); a missing or misshapen expert tensor is an error naming it, and so are the
+    stacked experts given both whole and per expert."""
     moe_checkpoint(tmp_path, "qwen3-moe")
     tensors = load_file(tmp_path / "model.safetensors")
     model, _ = load_model(tmp_path, torch.float32, "cpu")
@@ -108,6 +109,10 @@ def test_per_expert_tensors_fill_the_stacked_experts(tmp_path: Path) -> None:
     assert torch.equal(experts.gate_up_proj[5], torch.cat((gate, up)))
     assert torch.equal(experts.down_proj[5], tensors[f"{prefix}down_proj.weight"])
     file = tmp_path / "model.safetensors"
+    stacked_down = "model.layers.2.mlp.experts.down_proj"
+    save_file({**tensors, stacked_down: experts.down_proj.detach().clone()}, file)
+    with pytest.raises(ValueError, match=rf"given both whole and in parts: {stacked_down}$"):
+        load_model(tmp_path, torch.float32, "cpu")
     save_file({**tensors, f"{prefix}up_proj.weight": gate[:, 1:].clone()}, file)
     with pytest.raises(ValueError, match=rf"{prefix}up_proj.weight in .*: shape \(32, 63\)"):
         load_model(tmp_path, torch.float32, "cpu")

@@ -257,15 +257,19 @@ def _match(
         else:
             unfilled.append(slot)
     missing = _missing(unfilled, chosen.values()) if complete else []
+    # Stacked experts come whole or per expert, never both: which would win is arbitrary.
+    whole = {id(slot.param): name for name, slot in chosen.items() if slot.part is None}
+    twice = sorted({whole[id(s.param)] for s in chosen.values() if s.part and id(s.param) in whole})
     ignores = getattr(model, "ignores_tensor", None)  # a model's own extra tensors
     unexpected = [
         n
         for n in available - known
         if not n.endswith(_IGNORED_SUFFIXES) and not (ignores and ignores(n))
     ]
-    if missing or unexpected:
+    if missing or unexpected or twice:
         problems = [f"missing tensors: {_listing(missing)}"] if missing else []
         problems += [f"unexpected tensors: {_listing(unexpected)}"] if unexpected else []
+        problems += [f"given both whole and in parts: {_listing(twice)}"] if twice else []
         raise ValueError(f"{source} does not match {type(model).__name__}: " + "; ".join(problems))
     return chosen
 
