@@ -16,6 +16,7 @@ lists as `encoder_inputs` and dropping what it lists as evicted.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Set
 
 from extkv.models import ImageSpec
@@ -35,7 +36,9 @@ class EncoderCacheManager:
         self.num_tokens = num_tokens
         self._sizes: dict[str, int] = {}  # every entry the device holds
         self._refs: dict[str, int] = {}
-        self._unheld: dict[str, None] = {}  # no request holds them: evictable, oldest first
+        # No request holds them: evictable, oldest first (an OrderedDict: evicting from a
+        # dict's front leaves entries every later eviction steps over, see BlockManager).
+        self._unheld: OrderedDict[str, None] = OrderedDict()
         self.num_used_tokens = 0  # embeddings of every entry, held or not
         self.num_hits = 0
         self.num_misses = 0
