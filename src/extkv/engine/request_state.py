@@ -83,6 +83,9 @@ class RequestState:
             for seq in seqs
         ]
         self.by_id = {c.seq.request_id: c for c in self.completions}
+        # Taken once: a streamed request's output is built every step, and its prompt
+        # never changes.
+        self.prompt_token_ids = seqs[0].prompt_token_ids
         # Whether a new token needs more than the scheduler's bookkeeping (logprobs to
         # gather, stop strings to look for): else the engine skips `took_token` and
         # `add_logprobs` for it, every step.
@@ -165,7 +168,7 @@ class RequestState:
             outputs.append(
                 CompletionOutput(
                     index,
-                    list(seq.output_token_ids),
+                    seq.output_token_ids,  # a slice: already the caller's own copy
                     c.text,
                     seq.finish_reason,
                     stop_reason=seq.stop_reason,
@@ -173,11 +176,10 @@ class RequestState:
                     cumulative_logprob=None if c.logprobs is None else c.cumulative_logprob,
                 )
             )
-        seq = self.completions[0].seq
         return RequestOutput(
             self.request_id,
             self.prompt,
-            seq.prompt_token_ids,
+            self.prompt_token_ids,
             outputs,
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
