@@ -99,7 +99,7 @@ def prefill_attention_enabled() -> bool:
 def attends_own_kv(metadata: AttentionMetadata, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether a CUDA step's attention reads the step's own K/V rather than the cache: a
     prefill with no cached prefix and no image key bounds, in a shape the prefill kernel
-    takes, unless EXTKV_PREFILL_ATTENTION=0. All of it known on the host (no sync); a
+    takes, with EXTKV_PREFILL_ATTENTION=1. All of it known on the host (no sync); a
     sliding window is the kernel's too."""
     if not metadata.is_prefill or not prefill_attention_enabled():
         return False
@@ -137,10 +137,10 @@ def varlen_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch (the longest `max_seqlen`
-    tokens), no cache bound (the profiling run): on CUDA the prefill kernel the engine's
-    prefills with nothing cached run (so it is compiled at start-up), or the paged one
-    with EXTKV_PREFILL_ATTENTION=0 or rows it does not take; the torch reference
-    elsewhere."""
+    tokens), no cache bound (the profiling run): on CUDA, with EXTKV_PREFILL_ATTENTION=1,
+    the prefill kernel the engine's prefills with nothing cached then run (so it is
+    compiled at start-up), else (or for rows it does not take) the paged one; the torch
+    reference elsewhere."""
     if query.is_cuda:
         from extkv.kernels import prefill_attention as prefill
 
