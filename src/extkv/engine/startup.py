@@ -34,7 +34,7 @@ import torch
 
 from extkv.distributed import TPGroup
 from extkv.engine.config import EngineConfig
-from extkv.engine.cuda_graphs import decode_batch_sizes
+from extkv.engine.cuda_graphs import decode_batch_sizes, free_device_memory
 from extkv.engine.errors import StartupError
 from extkv.engine.host_memory import keep_freed_memory
 from extkv.engine.kv_policy import floor_blocks
@@ -140,9 +140,7 @@ def free_memory_at_start(config: EngineConfig) -> int:
     if config.device.type != "cuda":
         return 0
     gc.collect()  # tensors already unreachable still hold their blocks until collected
-    torch.cuda.synchronize(config.device)
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(config.device)[0]
+    return free_device_memory(config.device)
 
 
 def _memory_in_use(
