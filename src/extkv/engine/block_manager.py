@@ -64,8 +64,8 @@ class BlockManager:
         # Free blocks, least recently freed first: taken from the front, freed to the back.
         # An OrderedDict, not a dict: a dict leaves a dummy entry per key deleted at its
         # front, which every `next(iter(...))` steps over until the next resize, so each
-        # take slowed down with the blocks taken before it (82 us a take after 120k, in a
-        # pool of 872k blocks).
+        # take slowed down with the blocks taken before it (bench_block_pool, a pool of 872k
+        # blocks: 76 us a block after 100k blocks had gone through, 352 us after 400k).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
         self._used_by_group = [0] * len(groups)
