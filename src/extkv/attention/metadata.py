@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -66,6 +67,12 @@ class MambaMetadata:
     def num_seqs(self) -> int:
         """Sequences in the step (padding rows of a graph batch included)."""
         return self.cu_seqlens_q.numel() - 1
+
+    @cached_property
+    def host_cu_seqlens(self) -> list[int]:
+        """`cu_seqlens_q` on the host, read once per step (a prefill's chunked scan cuts
+        its chunks there) rather than once per Mamba layer."""
+        return self.cu_seqlens_q.tolist()
 
 
 @dataclass

@@ -180,7 +180,8 @@ class Mamba2Mixer(nn.Module):
     def _forward_torch(
         self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
     ) -> torch.Tensor:
-        """Any step on any device; prefill everywhere. Returns y (T, H, P) in fp32."""
+        """Any step on any device; prefill everywhere (its scan in Triton kernels on CUDA).
+        Returns y (T, H, P) in fp32."""
         bound = self._bound(metadata)
         ssm_init, conv_init = self._initial_states(metadata, bound, xBC.dtype)
         conv_out, conv_final = causal_conv_varlen(
@@ -190,16 +191,11 @@ class Mamba2Mixer(nn.Module):
         dt = time_step(dt, self.dt_bias, self.dims.time_step_limit)
         A = -torch.exp(self.A_log.float())
         if metadata.is_prefill:
-            y, ssm_final = ssd_varlen(
-                x,
-                dt,
-                A,
-                B,
-                C,
-                self.D,
-                ssm_init,
-                metadata.cu_seqlens_q.tolist(),
-                self.dims.chunk_size,
+            scan = ssd_varlen
+            if x.is_cuda:
+                from extkv.kernels.ssd_prefill import ssd_prefill as scan
+            y, ssm_final = scan(
+                x, dt, A, B, C, self.D, ssm_init, metadata.host_cu_seqlens, self.dims.chunk_size
             )
         else:
             y, ssm_final = ssm_step(ssm_init, x, dt, A, B, C, self.D)
