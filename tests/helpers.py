@@ -275,6 +275,29 @@ def interpreter_rounds_bf16_to_nearest() -> None:
     interpreter._convert_float = patched
 
 
+def patch_interpreter_masks() -> None:
+    """Let interpreted kernels mask vectors with scalar conditions (`live & carry`).
+
+    Triton 3.9's interpreter types a scalar comparison int32, so such a mask
+    reaches its load and store as int32 and is refused; compiled kernels, and
+    the interpreter once it holds the mask as bool, treat it as int1.
+    """
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        return interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
+
+    builder.create_masked_load = lambda self, ptrs, mask, *rest: load(
+        self, ptrs, as_bool(mask), *rest
+    )
+    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(
+        self, ptrs, value, as_bool(mask), *rest
+    )
+
+
 def interpreter_dots_bf16_as_numbers() -> None:
     """Make the interpreter's tl.dot multiply bf16 operands by value.
 

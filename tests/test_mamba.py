@@ -34,7 +34,13 @@ from extkv.kv_cache.specs import MambaSpec
 from extkv.models import load_model
 from extkv.models.mamba2 import Mamba2Mixer
 from extkv.models.mamba2_ops import causal_conv_varlen, ssm_step, time_step
-from helpers import HF_GROUPS, MAMBA_FAMILIES, MAMBA_VOCAB, make_mamba_checkpoint
+from helpers import (
+    HF_GROUPS,
+    MAMBA_FAMILIES,
+    MAMBA_VOCAB,
+    make_mamba_checkpoint,
+    patch_interpreter_masks,
+)
 
 VARIANTS = [
     ("mamba2", {}),
@@ -547,29 +553,6 @@ def test_decode_step_cuda_graph(tmp_path: Path, family: str) -> None:
         assert error < 0.1 * reference.abs().max().item()
         for r in requests:
             r.done += 1
-
-
-def patch_interpreter_masks() -> None:
-    """Let interpreted kernels mask vectors with scalar conditions (`live & carry`).
-
-    Triton 3.9's interpreter types a scalar comparison int32, so such a mask
-    reaches its load and store as int32 and is refused; compiled kernels, and
-    the interpreter once it holds the mask as bool, treat it as int1.
-    """
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    load, store = builder.create_masked_load, builder.create_masked_store
-
-    def as_bool(mask: interpreter.TensorHandle) -> interpreter.TensorHandle:
-        return interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
-
-    builder.create_masked_load = lambda self, ptrs, mask, *rest: load(
-        self, ptrs, as_bool(mask), *rest
-    )
-    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(
-        self, ptrs, value, as_bool(mask), *rest
-    )
 
 
 if __name__ == "__main__":

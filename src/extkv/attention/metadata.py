@@ -69,10 +69,10 @@ class MambaMetadata:
         return self.cu_seqlens_q.numel() - 1
 
     @cached_property
-    def host_cu_seqlens(self) -> list[int]:
+    def host_cu_seqlens(self) -> tuple[int, ...]:
         """`cu_seqlens_q` on the host, read once per step (a prefill's chunked scan cuts
         its chunks there) rather than once per Mamba layer."""
-        return self.cu_seqlens_q.tolist()
+        return tuple(self.cu_seqlens_q.tolist())
 
 
 @dataclass

@@ -25,8 +25,10 @@ fp32 operands (decayed scores, states) use tf32x3, close to fp32 (ieee for fp32 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -108,15 +110,22 @@ def _chunk_state_kernel(
 def _state_passing_kernel(
     state_ptr,
     decay_ptr,
-    initial_ptr,
-    final_ptr,
+    cache_ptr,
+    index_ptr,
+    carry_ptr,
     seq_first_chunk_ptr,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    stride_cn,
     num_heads,
     HEAD_DIM: tl.constexpr,
     STATE_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
 ):
+    """Start states in place of the chunk states; the final state to the cache row."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -124,7 +133,13 @@ def _state_passing_kernel(
     tile = (p[:, None] < HEAD_DIM) & (n[None, :] < STATE_SIZE)
     cell = p[:, None] * STATE_SIZE + n[None, :]
     per_row = HEAD_DIM * STATE_SIZE
-    running = tl.load(initial_ptr + (seq * num_heads + head) * per_row + cell, mask=tile)
+    running = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    if HAS_CACHE:
+        block = tl.load(index_ptr + seq).to(tl.int64)
+        carry = (tl.load(carry_ptr + seq) != 0) & (block >= 0)
+        cached = cache_ptr + block * stride_cb + head * stride_ch
+        cached += p[:, None] * stride_cp + n[None, :] * stride_cn
+        running = tl.load(cached, mask=tile & carry, other=0.0).to(tl.float32)
     first = tl.load(seq_first_chunk_ptr + seq)
     last = tl.load(seq_first_chunk_ptr + seq + 1)
     for chunk in range(first, last):
@@ -132,7 +147,8 @@ def _state_passing_kernel(
         state = tl.load(state_ptr + row * per_row + cell, mask=tile)
         tl.store(state_ptr + row * per_row + cell, running, mask=tile)  # now its start state
         running = tl.load(decay_ptr + row) * running + state
-    tl.store(final_ptr + (seq * num_heads + head) * per_row + cell, running, mask=tile)
+    if HAS_CACHE:
+        tl.store(cached, running.to(cache_ptr.dtype.element_ty), mask=tile & (block >= 0))
 
 
 @triton.jit
@@ -235,24 +251,46 @@ def _chunk_scan_kernel(
     )
 
 
-def chunk_layout(
-    cu_seqlens: list[int], chunk_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Each sequence cut into chunks of at most `chunk_size` tokens: the chunks' first
-    token rows and lengths, each sequence's first chunk (num_seqs + 1 entries), all int32
-    on `device` in one copy, and the chunk length the kernels are built for (the longest
-    sequence's, rounded up to a power of two, when shorter than `chunk_size`)."""
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Each sequence of a step cut into chunks of at most `chunk` tokens (none spans two
+    sequences), int32 on the device: each chunk's first token row, length, sequence, and
+    offset in its sequence; each sequence's first chunk (num_seqs + 1 entries)."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    seqs: torch.Tensor
+    offsets: torch.Tensor
+    seq_first_chunk: torch.Tensor
+    chunk: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.starts.numel()
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_first_chunk.numel() - 1
+
+
+@functools.lru_cache(maxsize=16)
+def chunk_layout(cu_seqlens: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The layout of a step's sequences (`cu_seqlens` on the host), built in one copy and
+    kept: every Mamba layer of the step asks for the same one. The chunk length is
+    `chunk_size`, or the longest sequence's rounded up to a power of two if shorter."""
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
     chunk = min(chunk_size, triton.next_power_of_2(max(max(lengths, default=1), 1)))
-    starts, sizes, first = [], [], [0]
-    for seq_start, n in zip(cu_seqlens, lengths, strict=False):
-        for lo in range(0, n, chunk):
-            starts.append(seq_start + lo)
-            sizes.append(min(chunk, n - lo))
-        first.append(len(starts))
-    packed = torch.tensor(starts + sizes + first, dtype=torch.int32).to(device)
-    num_chunks = len(starts)
-    return packed[:num_chunks], packed[num_chunks : 2 * num_chunks], packed[2 * num_chunks :], chunk
+    chunks = [
+        (seq_start + lo, min(chunk, n - lo), seq, lo)
+        for seq, (seq_start, n) in enumerate(zip(cu_seqlens, lengths, strict=False))
+        for lo in range(0, n, chunk)
+    ]
+    first = itertools.accumulate((-(-n // chunk) for n in lengths), initial=0)
+    columns = [value for column in zip(*chunks, strict=True) for value in column]
+    packed = torch.tensor([*columns, *first], dtype=torch.int32).to(device)
+    num_chunks = len(chunks)
+    parts = packed[: 4 * num_chunks].view(4, num_chunks)
+    return ChunkLayout(*parts, packed[4 * num_chunks :], chunk)
 
 
 def ssd_prefill(
@@ -262,26 +300,22 @@ def ssd_prefill(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: list[int],
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ssd_varlen` in Triton kernels: same arguments, same results (y (T, H, P) and the
-    final states (S, H, P, N), fp32). x (T, H, P) and B, C (T, G, N) may be strided views
-    (of the conv output); dt (T, H) fp32 from `time_step`; `cu_seqlens` on the host."""
+    layout: ChunkLayout,
+    ssm_state: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`ssd_varlen` in Triton kernels, reading and writing the states in the cache: y
+    (T, H, P) fp32. x (T, H, P) and B, C (T, G, N) may be strided views (of the conv
+    output); dt (T, H) fp32 from `time_step`. Sequence s starts from row
+    `state_indices[s]` of ssm_state (num_blocks, H, P, N) where `has_initial_state[s]`
+    (zeros otherwise) and leaves its final state there (-1: a padding row, zeros, not
+    written); without `ssm_state` every sequence starts from zeros and nothing is kept."""
     num_tokens, num_heads, head_dim = x.shape
     groups, state_size = B.shape[1:]
-    num_seqs = len(cu_seqlens) - 1
     device = x.device
     y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
-    final = torch.empty(
-        num_seqs, num_heads, head_dim, state_size, dtype=torch.float32, device=device
-    )
-    if num_tokens == 0:
-        final.copy_(initial_state)
-        return y, final
-    chunk_start, chunk_len, seq_first_chunk, chunk = chunk_layout(cu_seqlens, chunk_size, device)
-    num_chunks = chunk_len.numel()
+    num_chunks, chunk = layout.num_chunks, layout.chunk
     block_l = min(_BLOCK_L, max(chunk, 16))
     block_p = min(max(triton.next_power_of_2(head_dim), 16), _BLOCK_P_MAX)
     block_n = max(triton.next_power_of_2(state_size), 16)
@@ -300,17 +334,23 @@ def ssd_prefill(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32x3",
         **shape,
     )
-    _chunk_state_kernel[(num_chunks, num_heads, p_tiles)](
-        x, dt, A, B, chunk_start, chunk_len, a_cum, states, decay,
-        *x.stride(), *dt.stride(), *B.stride(), num_heads, **scan,
-    )  # fmt: skip
-    _state_passing_kernel[(num_seqs, num_heads, p_tiles)](
-        states, decay, initial_state.float().contiguous(), final, seq_first_chunk, num_heads,
+    if num_chunks:
+        _chunk_state_kernel[(num_chunks, num_heads, p_tiles)](
+            x, dt, A, B, layout.starts, layout.lengths, a_cum, states, decay,
+            *x.stride(), *dt.stride(), *B.stride(), num_heads, **scan,
+        )  # fmt: skip
+    has_cache = ssm_state is not None
+    cache = (ssm_state, state_indices, has_initial_state) if has_cache else (states, decay, decay)
+    _state_passing_kernel[(layout.num_seqs, num_heads, p_tiles)](
+        states, decay, *cache, layout.seq_first_chunk,
+        *(ssm_state.stride() if has_cache else (0,) * 4), num_heads, HAS_CACHE=has_cache,
         **shape,
     )  # fmt: skip
-    _chunk_scan_kernel[(num_chunks, num_heads, triton.cdiv(chunk, block_l) * p_tiles)](
-        y, x, dt, B, C, D, chunk_start, chunk_len, a_cum, states,
-        *y.stride()[:2], *x.stride(), *dt.stride(), *B.stride(), *C.stride(), num_heads,
-        P_TILES=p_tiles, EXACT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **scan,
-    )  # fmt: skip
-    return y, final
+    if num_chunks:
+        _chunk_scan_kernel[(num_chunks, num_heads, triton.cdiv(chunk, block_l) * p_tiles)](
+            y, x, dt, B, C, D, layout.starts, layout.lengths, a_cum, states,
+            *y.stride()[:2], *x.stride(), *dt.stride(), *B.stride(), *C.stride(), num_heads,
+            P_TILES=p_tiles, EXACT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            **scan,
+        )  # fmt: skip
+    return y

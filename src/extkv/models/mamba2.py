@@ -147,7 +147,11 @@ class Mamba2Mixer(nn.Module):
         metadata = get_forward_context().mamba
         projected, residual = self.in_proj.normed(hidden, residual, norm)
         gate, xBC, dt = projected.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
-        if hidden.is_cuda and not metadata.is_prefill and self._bound(metadata):
+        if not hidden.is_cuda:
+            y = self._forward_torch(xBC, dt, metadata)
+        elif metadata.is_prefill:
+            y = self._prefill_triton(xBC, dt, metadata)
+        elif self._bound(metadata):
             y = self._decode_triton(xBC, dt, metadata)
         else:
             y = self._forward_torch(xBC, dt, metadata)
@@ -180,8 +184,8 @@ class Mamba2Mixer(nn.Module):
     def _forward_torch(
         self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
     ) -> torch.Tensor:
-        """Any step on any device; prefill everywhere (its scan in Triton kernels on CUDA).
-        Returns y (T, H, P) in fp32."""
+        """The CPU's steps, and a CUDA decode without bound states. Returns y (T, H, P)
+        in fp32."""
         bound = self._bound(metadata)
         ssm_init, conv_init = self._initial_states(metadata, bound, xBC.dtype)
         conv_out, conv_final = causal_conv_varlen(
@@ -191,10 +195,7 @@ class Mamba2Mixer(nn.Module):
         dt = time_step(dt, self.dt_bias, self.dims.time_step_limit)
         A = -torch.exp(self.A_log.float())
         if metadata.is_prefill:
-            scan = ssd_varlen
-            if x.is_cuda:
-                from extkv.kernels.ssd_prefill import ssd_prefill as scan
-            y, ssm_final = scan(
+            y, ssm_final = ssd_varlen(
                 x, dt, A, B, C, self.D, ssm_init, metadata.host_cu_seqlens, self.dims.chunk_size
             )
         else:
@@ -224,6 +225,30 @@ class Mamba2Mixer(nn.Module):
         ssm = torch.where(carry[..., None], self.ssm_state[rows].float(), 0.0)
         conv = torch.where(carry, self.conv_state[rows].to(dtype), 0.0)
         return ssm, conv
+
+    def _prefill_triton(
+        self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
+    ) -> torch.Tensor:
+        """A prefill on the GPU: the conv and the chunked scan in Triton kernels that read
+        each sequence's states from its cache rows and write them back (none when the
+        states are unbound: the profiling run). Returns y (T, H, P) in fp32."""
+        from extkv.kernels.causal_conv import causal_conv_prefill
+        from extkv.kernels.ssd_prefill import chunk_layout, ssd_prefill
+
+        layout = chunk_layout(metadata.host_cu_seqlens, self.dims.chunk_size, xBC.device)
+        rows = ()  # the states' rows and whether each carries over; none unbound
+        if self._bound(metadata):
+            rows = (self._state_indices(metadata), metadata.has_initial_state)
+        conv_state = (self.conv_state, *rows) if rows else ()
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out = causal_conv_prefill(
+            xBC, weight, self.conv1d.bias, layout, metadata.cu_seqlens_q, *conv_state
+        )
+        x, B, C = self._split_conv_out(conv_out)
+        dt = time_step(dt, self.dt_bias, self.dims.time_step_limit)
+        A = -torch.exp(self.A_log.float())
+        ssm_state = (self.ssm_state, *rows) if rows else ()
+        return ssd_prefill(x, dt, A, B, C, self.D, layout, *ssm_state)
 
     def _decode_triton(
         self, xBC: torch.Tensor, dt: torch.Tensor, metadata: MambaMetadata
