@@ -12,7 +12,8 @@ latent rows; each checked against sm90's shared memory) and its merge, of the pr
 attention over a step's own K/V (TMA descriptors or pointer loads, sliding window, head
 dims 64 to 256 at the tiles fit for them; its dots on wgmma, its TMA loads there), the
 q/k norm + rotary + KV store kernel (with and without its k output), the RMSNorm and
-SiLU*mul kernels whose math the GEMV's inputs share, and the fused MoE's kernels.
+SiLU*mul kernels whose math the GEMV's inputs share, the fused MoE's kernels, and the
+Mamba2 prefill's conv and chunked-scan kernels.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from triton.compiler import ASTSource
 
 from extkv.kernels import (
     activation,
+    causal_conv,
     fused_moe,
     gemv,
     norm,
     paged_attention,
     prefill_attention,
     rotary,
+    ssd_prefill,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -273,6 +276,45 @@ def moe_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dic
     return jobs
 
 
+def mamba_prefill_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
+    """The Mamba2 prefill's kernels at Bamba's shape (64 x 128 heads' state, 256-token
+    chunks) in bf16, with and without cached states; the scan's fp32 dots as tf32x3.
+    Pointers not named are the chunk layout's and the state rows' (int32)."""
+
+    def job(fn: triton.JITFunction, name: str, types: dict[str, str], constexprs: dict):
+        names = inspect.signature(fn.fn).parameters
+        pointers = {n: "*i32" for n in names if n.endswith("_ptr")}
+        return fn, (name, {**pointers, "carry_ptr": "*i1", **types}, constexprs), {}
+
+    shape = dict(HEAD_DIM=64, STATE_SIZE=128, BLOCK_P=64, BLOCK_N=128)
+    scan = dict(HEADS_PER_GROUP=32, CHUNK=256, BLOCK_L=64, DOT_PRECISION="tf32x3", **shape)
+    fp32 = ("dt_ptr", "a_ptr", "a_cum_ptr", "state_ptr", "decay_ptr", "out_ptr", "d_ptr")
+    types = {**dict.fromkeys(fp32, "*fp32"), "start_state_ptr": "*fp32"}
+    types.update(dict.fromkeys(("x_ptr", "b_ptr", "c_ptr"), "*bf16"))
+    jobs = [
+        job(ssd_prefill._chunk_state_kernel, "ssd chunk_state", types, scan),
+        job(
+            ssd_prefill._chunk_scan_kernel,
+            "ssd chunk_scan",
+            types,
+            dict(scan, P_TILES=1, EXACT_PRECISION="tf32"),
+        ),
+    ]
+    conv_types = dict.fromkeys(("x_ptr", "weight_ptr", "bias_ptr", "state_ptr", "out_ptr"), "*bf16")
+    for cache in (False, True):
+        passing = dict.fromkeys(("state_ptr", "decay_ptr", "cache_ptr"), "*fp32")
+        name = f"ssd state_passing cache={cache:d}"
+        jobs.append(
+            job(ssd_prefill._state_passing_kernel, name, passing, dict(shape, HAS_CACHE=cache))
+        )
+        conv = dict(WIDTH=4, HAS_BIAS=True, HAS_STATE=cache, CHUNK=256, BLOCK_T=32, BLOCK_C=128)
+        name = f"causal_conv_prefill state={cache:d}"
+        jobs.append(job(causal_conv._causal_conv_prefill_kernel, name, conv_types, conv))
+    store = dict(WIDTH=4, BLOCK_C=128)
+    jobs.append(job(causal_conv._conv_state_store_kernel, "conv_state_store", conv_types, store))
+    return jobs
+
+
 def main() -> int:
     print(f"Triton {triton.__version__}, target sm90")
     jobs = [(gemv._gemv_kernel, v, GEMV_OPTIONS) for v in gemv_variants()]
@@ -304,6 +346,7 @@ def main() -> int:
             (activation._silu_and_mul_kernel, (f"silu_and_mul pdl={pdl:d}", types, constexprs), {})
         )
     jobs += moe_variants()
+    jobs += mamba_prefill_variants()
     failed = 0
     for fn, (name, types, constexprs), options in jobs:
         try:
