@@ -84,10 +84,11 @@ def rope_store_attention(
 
 def prefill_attention_enabled() -> bool:
     """EXTKV_PREFILL_ATTENTION: whether a CUDA prefill with nothing cached attends over
-    the step's own K/V (1: extkv.kernels.prefill_attention), or (0, the default) through
-    the paged cache as every other step does. Off until the device has measured it (it
-    has only run under the interpreter and compiled for sm90 offline so far)."""
-    wanted = os.environ.get("EXTKV_PREFILL_ATTENTION", "0")
+    the step's own K/V (1, the default: extkv.kernels.prefill_attention), or (0) through
+    the paged cache as every other step does. On the H200 the own-K/V kernel took a
+    Qwen3-0.6B-shaped 8192-token prefill from 0.335 to 0.436 of bf16 peak (BENCHMARKS.md,
+    2026-12-05, gpu-check prefill-own-kv measures both)."""
+    wanted = os.environ.get("EXTKV_PREFILL_ATTENTION", "1")
     if wanted not in ("0", "1"):
         raise ValueError(
             "EXTKV_PREFILL_ATTENTION must be 0 (the paged kernel) or 1 (the step's own K/V "
@@ -99,7 +100,7 @@ def prefill_attention_enabled() -> bool:
 def attends_own_kv(metadata: AttentionMetadata, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether a CUDA step's attention reads the step's own K/V rather than the cache: a
     prefill with no cached prefix and no image key bounds, in a shape the prefill kernel
-    takes, with EXTKV_PREFILL_ATTENTION=1. All of it known on the host (no sync); a
+    takes, unless EXTKV_PREFILL_ATTENTION=0. All of it known on the host (no sync); a
     sliding window is the kernel's too."""
     if not metadata.is_prefill or not prefill_attention_enabled():
         return False
@@ -137,7 +138,7 @@ def varlen_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch (the longest `max_seqlen`
-    tokens), no cache bound (the profiling run): on CUDA, with EXTKV_PREFILL_ATTENTION=1,
+    tokens), no cache bound (the profiling run): on CUDA (unless EXTKV_PREFILL_ATTENTION=0)
     the prefill kernel the engine's prefills with nothing cached then run (so it is
     compiled at start-up), else (or for rows it does not take) the paged one; the torch
     reference elsewhere."""
