@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -62,6 +62,9 @@ class MambaMetadata:
     cu_seqlens_q: torch.Tensor  # int32 (num_seqs + 1,)
     state_indices: torch.Tensor | None = None  # int32 (num_state_groups, num_seqs)
     has_initial_state: torch.Tensor | None = None  # bool (num_seqs,)
+    # What every Mamba layer of the step derives alike, made by the first (a prefill's
+    # chunk layout, by chunk size); it goes with the step.
+    shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

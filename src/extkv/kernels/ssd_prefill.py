@@ -25,9 +25,9 @@ fp32 operands (decayed scores, states) use tf32x3, close to fp32 (ieee for fp32 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -273,11 +273,10 @@ class ChunkLayout:
         return self.seq_first_chunk.numel() - 1
 
 
-@functools.lru_cache(maxsize=16)
-def chunk_layout(cu_seqlens: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The layout of a step's sequences (`cu_seqlens` on the host), built in one copy and
-    kept: every Mamba layer of the step asks for the same one. The chunk length is
-    `chunk_size`, or the longest sequence's rounded up to a power of two if shorter."""
+def chunk_layout(cu_seqlens: Sequence[int], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The layout of a step's sequences (`cu_seqlens` on the host), built in one copy.
+    The chunk length is `chunk_size`, or the longest sequence's rounded up to a power of
+    two if shorter."""
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
     chunk = min(chunk_size, triton.next_power_of_2(max(max(lengths, default=1), 1)))
     chunks = [
