@@ -6,13 +6,16 @@ vs a plain allocation, side by side in one run (CUDA only).
 
 The release table decides what a level-1 sleep's KV release (123 GiB in 0.146 s on the
 H200, in allocations of granules.MAX_ALLOCATION_BYTES) is made of: if it costs per
-driver call, larger allocations free it faster; if per byte, nothing here will.
+driver call, larger allocations free it faster; if per byte, nothing here will (the
+H200's answer, 2026-12-05: per byte, about 1.5 TB/s). The threaded table then asks
+whether releasing a cache's buffers from several threads at once is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,6 +69,27 @@ def release_seconds(size: int, allocation_bytes: int) -> float:
         buf.free()
 
 
+def threaded_release_seconds(size: int, num_buffers: int, threads: int) -> float:
+    """Commit `size` bytes as `num_buffers` two-segment tensors (a KV cache's per-layer
+    K/V buffers), then time giving them all back from `threads` threads: whether the
+    driver's per-byte release cost runs in parallel (a sleep could then release its
+    buffers side by side) or is serialised inside the driver."""
+    part = size // num_buffers // 2 * 2
+    buffers = [ExtensibleTensor(part, "cuda", num_segments=2) for _ in range(num_buffers)]
+    try:
+        for buf in buffers:
+            buf.resize_per_segment_(part // 2)
+
+        def release() -> None:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda buf: buf.shrink_per_segment_(0), buffers))
+
+        return _timed(release)
+    finally:
+        for buf in buffers:
+            buf.free()
+
+
 def bandwidth_ratio(size: int) -> dict[str, float]:
     buf = ExtensibleTensor(2 * size, "cuda")
     try:
@@ -116,6 +140,16 @@ def main() -> None:
         for piece in sorted({1, 4, gib})
         if piece <= gib
     ]
+    largest = max(args.sizes_gib)
+    threaded = [
+        {
+            "gib": largest,
+            "buffers": 28,
+            "threads": threads,
+            "release_s": round(threaded_release_seconds(largest * GiB, 28, threads), 4),
+        }
+        for threads in (1, 4, 14)
+    ]
     bandwidth = bandwidth_ratio(8 * GiB)
     print(f"{'GiB':>5} {'seg':>3} {'zero':>5} {'commit s':>9} {'torch s':>8} {'ratio':>6}")
     for r in rows:
@@ -127,11 +161,20 @@ def main() -> None:
     for r in releases:
         rate = r["gib"] / max(r["release_s"], 1e-9)
         print(f"{r['gib']:>5} {r['allocation_gib']:>9} {r['release_s']:>9.4f} {rate:>7.0f}")
+    print(f"{'GiB':>5} {'buffers':>7} {'threads':>7} {'release s':>9} {'GiB/s':>7}")
+    for r in threaded:
+        rate = r["gib"] / max(r["release_s"], 1e-9)
+        print(
+            f"{r['gib']:>5} {r['buffers']:>7} {r['threads']:>7} {r['release_s']:>9.4f} {rate:>7.0f}"
+        )
     print(
         f"copy bandwidth 8 GiB: VMM {bandwidth['vmm_gbps']:.0f} GB/s, plain "
         f"{bandwidth['plain_gbps']:.0f} GB/s, ratio {bandwidth['ratio']:.3f}"
     )
-    write_json(args.json, {"commit": rows, "release": releases, "bandwidth": bandwidth})
+    write_json(
+        args.json,
+        {"commit": rows, "release": releases, "threaded": threaded, "bandwidth": bandwidth},
+    )
 
 
 if __name__ == "__main__":
