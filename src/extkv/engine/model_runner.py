@@ -459,8 +459,9 @@ class ModelRunner:
         sampled = plan.sampled
         host = self._host_tokens[self.num_steps % 2][: len(sampled)]
         self.num_steps += 1
-        self._last_rows = {r.request_id: row for row, r in enumerate(sampled)}
-        out = SampledTokens([r.request_id for r in sampled], host, None)
+        request_ids = [r.request_id for r in sampled]
+        self._last_rows = dict(zip(request_ids, range(len(request_ids)), strict=True))
+        out = SampledTokens(request_ids, host, None)
         if result.prompt is not None:
             out.prompt_spans, out.prompt_logprobs = self._prompt_logprobs(plan, result.prompt)
         if result.logits is not None:

@@ -155,7 +155,7 @@ class Scheduler:
             num_new_tokens=num_new_tokens,
             token_ids=known,
             pending=len(known) < num_new_tokens,
-            block_ids=self._block_ids(seq),
+            block_ids=tuple(seq.block_tables),
             sampling=params if samples else None,
             history=seq.token_ids if wants_history else [],
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -172,12 +172,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
-            seq.request_id, start, 1, known, not known, self._block_ids(seq), seq.params
+            seq.request_id, start, 1, known, not known, tuple(seq.block_tables), seq.params
         )
-
-    def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
-        """`seq`'s block table in each KV cache group (KVCachePlan.groups' order)."""
-        return tuple(seq.block_tables)
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []

@@ -84,5 +84,8 @@ class StepPlan:
 
     @property
     def sampled(self) -> list[ScheduledRequest]:
-        """The requests whose next token this step samples, in batch order."""
+        """The requests whose next token this step samples, in batch order: all of a
+        decode's (the scheduler's decode requests always sample)."""
+        if not self.is_prefill:
+            return self.requests
         return [request for request in self.requests if request.sampling is not None]
