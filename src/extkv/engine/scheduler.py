@@ -157,7 +157,7 @@ class Scheduler:
             pending=len(known) < num_new_tokens,
             block_ids=tuple(seq.block_tables),
             sampling=params if samples else None,
-            history=seq.token_ids if wants_history else [],
+            history=seq.token_ids if wants_history else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             banned_token_ids=banned,
             prompt_logprobs=params.prompt_logprobs,

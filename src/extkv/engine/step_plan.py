@@ -9,6 +9,7 @@ bookkeeping and each side can change without the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from extkv.engine.multimodal import ImageInput
@@ -33,8 +34,9 @@ class ScheduledRequest:
     block_ids: tuple[list[int], ...]  # per KV cache group (see KVCachePlan.groups)
     sampling: SamplingParams | None  # set when this step samples the request's next token
     # The request's tokens the host knows (prompt first; a reference, read while the step
-    # launches), when penalties or prompt logprobs need them; else empty.
-    history: list[int] = field(default_factory=list)
+    # launches), when penalties or prompt logprobs need them; else empty (a shared empty
+    # tuple: no list built for every request of every step).
+    history: Sequence[int] = ()
     num_prompt_tokens: int = 0
     banned_token_ids: tuple[int, ...] = ()  # masked this step (EOS and stops before min_tokens)
     prompt_logprobs: int | None = None  # top-k logprobs of the prompt positions this step computes
