@@ -228,8 +228,11 @@ class BlockManager:
     def blocks_short(self, seq: Sequence, num_tokens: int, reusing: Seq[Seq[int]] = ()) -> int:
         """Free blocks the pool lacks for `seq` (about to take the cached tables `reusing`,
         whose NO_BLOCK entries need no block either) to hold `num_tokens`: 0 when it fits."""
-        missing = self.blocks_missing(seq, num_tokens) - sum(map(len, reusing))
-        free = len(self._free) - sum(1 for table in reusing for b in table if b in self._free)
+        missing = self.blocks_missing(seq, num_tokens)
+        free = len(self._free)
+        if reusing:  # a decode's block (every few steps, for every request) reuses none
+            missing -= sum(map(len, reusing))
+            free -= sum(1 for table in reusing for b in table if b in self._free)
         return max(missing - free, 0)
 
     def can_hold(self, seq: Sequence, num_tokens: int, reusing: Seq[Seq[int]] = ()) -> bool:
@@ -248,8 +251,9 @@ class BlockManager:
         too few are free (and then takes none)."""
         tables = seq.block_tables or [[] for _ in self.groups]
         missing = self._missing(tables, num_tokens)  # counted once: the check, then the blocks
-        if sum(missing) > len(self._free):
-            raise RuntimeError(f"{sum(missing)} blocks needed, {len(self._free)} free")
+        needed = sum(missing)
+        if needed > len(self._free):
+            raise RuntimeError(f"{needed} blocks needed, {len(self._free)} free")
         if not seq.block_tables:
             seq.block_tables = tables
             seq.num_released_blocks = [0] * len(self.groups)

@@ -114,6 +114,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.model)
         self._requests: dict[str, RequestState] = {}  # unfinished, by request id
         self._states: dict[str, RequestState] = {}  # the same, by each sequence's id
+        self._num_watching = 0  # of them, those whose tokens need more than the scheduler
         self._ids = itertools.count()
         self._in_flight: SampledTokens | None = None  # launched, tokens not read yet
         self._closed = False
@@ -319,6 +320,7 @@ class LLMEngine:
             seqs.append(Sequence(seq_id, ids, completion_params(params, index), leader, images))
         state = RequestState(request_id, prompt, seqs, params, self.tokenizer)
         self._requests[request_id] = state
+        self._num_watching += state.watches_tokens
         for seq in seqs:
             self._states[seq.request_id] = state
             self.scheduler.add(seq)
@@ -361,6 +363,7 @@ class LLMEngine:
 
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.request_id]
+        self._num_watching -= state.watches_tokens
         for c in state.completions:
             del self._states[c.seq.request_id]
 
@@ -418,19 +421,14 @@ class LLMEngine:
         if launched is None:
             return failed
         tokens = launched.get()
-        # Sequences finished or aborted since launch take no token (update skips them);
-        # the others, each with its row among the step's logprobs (None: none asked), and
-        # their requests in order, once each. One pass: it runs for every sequence.
-        logprob_rows = {launched.request_ids[row]: i for i, row in enumerate(launched.logprob_rows)}
-        took: dict[str, int | None] = {}
-        advanced: dict[str, RequestState] = {}
-        states, finished = self._states, SequenceStatus.FINISHED
-        for seq_id in launched.request_ids:
-            state = states.get(seq_id)
-            if state is not None and state.by_id[seq_id].seq.status is not finished:
-                took[seq_id] = logprob_rows.get(seq_id)
-                advanced[state.request_id] = state
-        self.scheduler.update(launched.request_ids, tokens)
+        # Every request that took a token gets an output, or only those finished: when no
+        # request watches its tokens, those are the requests of the sequences update ended.
+        every = not finished_only or self._num_watching > 0
+        took, advanced = self._advancing(launched) if every else ({}, {})
+        ended = self.scheduler.update(launched.request_ids, tokens)
+        if not every:
+            states = [self._states[seq.request_id] for seq in ended]
+            advanced = {state.request_id: state for state in states}
         first = 0  # prompt logprobs, of chunks that sample nothing too
         for seq_id, position, count in launched.prompt_spans:
             if seq_id in self._states:
@@ -452,6 +450,24 @@ class LLMEngine:
             if finished:
                 self._forget(state)
         return outputs + failed
+
+    def _advancing(
+        self, launched: SampledTokens
+    ) -> tuple[dict[str, int | None], dict[str, RequestState]]:
+        """Before `update`: the sequences of `launched` that take a token (those finished
+        or aborted since launch take none), each with its row among the step's logprobs
+        (None: none asked), and their requests in order, once each. One pass: it runs for
+        every sequence."""
+        logprob_rows = {launched.request_ids[row]: i for i, row in enumerate(launched.logprob_rows)}
+        took: dict[str, int | None] = {}
+        advanced: dict[str, RequestState] = {}
+        states, finished = self._states, SequenceStatus.FINISHED
+        for seq_id in launched.request_ids:
+            state = states.get(seq_id)
+            if state is not None and state.by_id[seq_id].seq.status is not finished:
+                took[seq_id] = logprob_rows.get(seq_id)
+                advanced[state.request_id] = state
+        return took, advanced
 
     def _took_tokens(
         self, state: RequestState, launched: SampledTokens, took: dict[str, int | None]

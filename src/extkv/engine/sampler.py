@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from extkv.engine.sampling_batch import LogitAdjustments, SamplingBatch
+from extkv.engine.sampling_batch import LogitAdjustments, SamplingBatch, distinct_params
 
 
 def _truncate(
@@ -139,7 +139,9 @@ class Sampler:
             greedy_tokens = None
         tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
         params = batch.params
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled_rows = []  # the rows that draw a token: none in an all-greedy batch
+        if not all(p.greedy for p in distinct_params(params)):
+            sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             tokens = tokens.clone()
             rows = torch.tensor(sampled_rows, device=logits.device)

@@ -4,6 +4,7 @@ padded tensors of logit biases, min_tokens masks, penalty histories and logprobs
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,8 @@ class SamplingBatch:
         `last_tokens` (row `last_rows[request_id]`: the previous step's samples)."""
         params = [r.sampling for r in requests]
         batch = cls(params, generators)
+        if not any(map(_adjusts, distinct_params(params))):
+            return batch  # the usual batch: nothing to adjust, no logprobs
         batch.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         batch.logprob_k = [params[i].logprobs for i in batch.logprob_rows]
         device = last_tokens.device
@@ -85,6 +88,23 @@ class SamplingBatch:
         if biased or banned or penalised:
             batch.adjust = adjust
         return batch
+
+
+def distinct_params(params: list[SamplingParams]) -> Collection[SamplingParams]:
+    """The distinct objects among `params`, found in C: a step's requests share a few (one
+    `generate` call's share one), so a question asked of every row is asked of these."""
+    return dict(zip(map(id, params), params, strict=True)).values()
+
+
+def _adjusts(params: SamplingParams) -> bool:
+    """Whether rows of `params` change their logits (bias, banned tokens before min_tokens,
+    penalties) or return logprobs."""
+    return (
+        params.logprobs is not None
+        or bool(params.logit_bias)
+        or params.min_tokens > 0
+        or params.has_penalties
+    )
 
 
 def _add_penalties(

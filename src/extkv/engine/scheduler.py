@@ -90,6 +90,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; it waits until a prefill step admits it."""
+        params = seq.params
+        seq.max_length = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.end_ids = eos.union(params.stop_token_ids)
+        seq.plain_decode = not (params.min_tokens or params.has_penalties)
         self.waiting.append(seq)
         self._requests[seq.request_id] = seq
 
@@ -150,9 +155,9 @@ class Scheduler:
             num_new_tokens=num_new_tokens,
             token_ids=known,
             pending=len(known) < num_new_tokens,
-            block_ids=self._block_ids(seq),
+            block_ids=tuple(seq.block_tables),
             sampling=params if samples else None,
-            history=seq.token_ids if wants_history else [],
+            history=seq.token_ids if wants_history else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             banned_token_ids=banned,
             prompt_logprobs=params.prompt_logprobs,
@@ -162,18 +167,13 @@ class Scheduler:
     def _scheduled_decode(self, seq: Sequence) -> ScheduledRequest:
         """`_scheduled(seq, 1)` for a decode, which always samples: the hot path at large
         batches (one per running request per step), so it computes only what it must."""
-        params = seq.params
-        if params.min_tokens or params.has_penalties:
+        if not seq.plain_decode:
             return self._scheduled(seq, 1)  # needs its tokens or its banned ones
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
-            seq.request_id, start, 1, known, not known, self._block_ids(seq), params
+            seq.request_id, start, 1, known, not known, tuple(seq.block_tables), seq.params
         )
-
-    def _block_ids(self, seq: Sequence) -> tuple[list[int], ...]:
-        """`seq`'s block table in each KV cache group (KVCachePlan.groups' order)."""
-        return tuple(seq.block_tables)
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs: list[Sequence] = []
@@ -292,7 +292,7 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted just now to make room for an older sequence
             num_tokens = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and self._at_length_limit(seq, num_tokens):
+            if seq.num_pending and num_tokens >= seq.max_length:
                 continue  # its pending token is its last
             if blocks.holds(seq, num_tokens):  # most steps need no new block
                 seqs.append(seq)
@@ -385,27 +385,20 @@ class Scheduler:
             seq.token_ids.append(token)
             if remember:
                 self.block_manager.remember_computed(seq)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
+            if token in seq.end_ids or len(seq.token_ids) >= seq.max_length:
                 # Usually running; waiting if preempted while this token was in flight.
                 (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq, self._finish_reason(seq, token))
                 finished.append(seq)
         return finished
 
-    def _at_length_limit(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` is done by length once it holds `num_tokens` tokens."""
-        num_output = num_tokens - seq.num_prompt_tokens
-        return num_output >= seq.params.max_tokens or num_tokens >= self.max_model_len
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"  # no stop_reason for EOS, as vLLM
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        return "length" if self._at_length_limit(seq, len(seq.token_ids)) else None
+    def _finish_reason(self, seq: Sequence, token: int) -> str:
+        """Why `token` ended `seq` (one of its `end_ids`, or its length reached)."""
+        if token not in seq.end_ids:
+            return "length"
+        if seq.params.ignore_eos or token not in self.eos_token_ids:
+            seq.stop_reason = token  # one of stop_token_ids; no stop_reason for EOS, as vLLM
+        return "stop"
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -54,6 +54,13 @@ class Sequence:
         self.leader = leader
         self.images = images  # in prompt order; their placeholder runs are in the prompt
         self.encoder_held: set[int] = set()  # indices of the images it holds in the encoder cache
+        # Set by Scheduler.add from the parameters and the model's limits, once, since the
+        # scheduler asks them every step: the length that ends it (max_tokens or
+        # max_model_len), the tokens that end it (EOS unless ignored, stop_token_ids), and
+        # whether a decode step needs only its token (no penalties, no min_tokens).
+        self.max_length = 0
+        self.end_ids: frozenset[int] = frozenset()
+        self.plain_decode = True
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_pending

@@ -112,10 +112,13 @@ def build_step_inputs(
         np.cumsum(counts, out=cu_seqlens[1:])
         seq_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = np.arange(cu_seqlens[-1]) + np.repeat(starts - cu_seqlens[:-1], counts)
-    else:  # one token per sequence
+        sampled = np.fromiter((r.sampling is not None for r in requests), bool, num_seqs)
+        sample_rows = cu_seqlens[1:][sampled] - 1
+    else:  # one token per sequence, each sampled (see StepPlan.sampled)
         counts = np.ones(num_seqs, dtype=np.int64)
         cu_seqlens = np.arange(num_seqs + 1)
         seq_of_token, positions = cu_seqlens[:-1], starts
+        sample_rows = seq_of_token
     num_tokens = int(cu_seqlens[-1])
     num_attention = len(kv_plan.attention_groups)
     # The arrays handed on are int32 from the start: assigning casts as astype would.
@@ -134,12 +137,13 @@ def build_step_inputs(
     sources = (last_rows[r.request_id] for r in requests if r.pending)
     tokens[2, pending_rows] = np.fromiter(sources, np.int64, len(pending_rows))
     if num_attention:  # they come first in block_ids, their tables all of one length
-        lengths = np.fromiter((len(r.block_ids[0]) for r in requests), np.int64, num_seqs)
+        by_group = [[r.block_ids[g] for r in requests] for g in range(num_attention)]
+        lengths = np.fromiter(map(len, by_group[0]), np.int64, num_seqs)
         width = int(lengths.max()) if num_seqs else 0
         tables = np.zeros((num_attention, num_seqs, width), dtype=np.int32)
         held = np.arange(width) < lengths[:, None]  # row-major: each table in order
-        for g in range(num_attention):
-            ids = chain.from_iterable(r.block_ids[g] for r in requests)
+        for g, group_tables in enumerate(by_group):
+            ids = chain.from_iterable(group_tables)
             tables[g][held] = np.fromiter(ids, np.int64, int(lengths.sum()))
         size = kv_plan.block_size
         tokens[TOKEN_ROWS:] = tables[:, seq_of_token, positions // size] * size + positions % size
@@ -151,7 +155,6 @@ def build_step_inputs(
     seqs[1] = starts > 0
     for g in range(num_state):
         seqs[2 + g] = [r.block_ids[num_attention + g][0] for r in requests]
-    sampled = np.fromiter((r.sampling is not None for r in requests), bool, num_seqs)
     prompt_rows = [  # only a prefill computes prompt positions
         int(cu_seqlens[i]) + p - r.num_computed_tokens
         for i, r in enumerate(requests if plan.is_prefill else ())
@@ -169,7 +172,7 @@ def build_step_inputs(
         cu_seqlens=cu_seqlens.astype(np.int32),
         seqs=seqs,
         block_tables=tables,
-        sample_rows=(cu_seqlens[1:][sampled] - 1).astype(np.int32),
+        sample_rows=sample_rows.astype(np.int32),
         prompt_rows=np.array(prompt_rows, dtype=np.int64),
         encoder_inputs=[(image.hash, image.pixel_values) for image in plan.encoder_inputs],
         evicted_encoder_hashes=plan.evicted_encoder_hashes,

@@ -9,6 +9,7 @@ bookkeeping and each side can change without the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from extkv.engine.multimodal import ImageInput
@@ -33,8 +34,9 @@ class ScheduledRequest:
     block_ids: tuple[list[int], ...]  # per KV cache group (see KVCachePlan.groups)
     sampling: SamplingParams | None  # set when this step samples the request's next token
     # The request's tokens the host knows (prompt first; a reference, read while the step
-    # launches), when penalties or prompt logprobs need them; else empty.
-    history: list[int] = field(default_factory=list)
+    # launches), when penalties or prompt logprobs need them; else empty (a shared empty
+    # tuple: no list built for every request of every step).
+    history: Sequence[int] = ()
     num_prompt_tokens: int = 0
     banned_token_ids: tuple[int, ...] = ()  # masked this step (EOS and stops before min_tokens)
     prompt_logprobs: int | None = None  # top-k logprobs of the prompt positions this step computes
@@ -84,5 +86,8 @@ class StepPlan:
 
     @property
     def sampled(self) -> list[ScheduledRequest]:
-        """The requests whose next token this step samples, in batch order."""
+        """The requests whose next token this step samples, in batch order: all of a
+        decode's (the scheduler's decode requests always sample)."""
+        if not self.is_prefill:
+            return self.requests
         return [request for request in self.requests if request.sampling is not None]
