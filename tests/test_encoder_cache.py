@@ -2,14 +2,15 @@
 hash, held per request image, kept for reuse once released and evicted oldest first; a
 prompt chunk stops before an image that does not fit, a request whose first chunk would be
 empty waits, images are released once prefilled past, on preemption and on abort. Random
-runs never plan a step whose images the device would not have, never go over the budget,
-and end with nothing held."""
+runs never plan a step whose images the device would not have, never put a prompt that
+waits for its next chunk into a decode step, never go over the budget, and end with
+nothing held."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from extkv.engine.block_manager import BlockManager
@@ -95,6 +96,10 @@ class Device:
         self.entries |= {i.hash for i in plan.encoder_inputs}
         for request in plan.requests:
             assert {i.hash for i in request.images} <= self.entries
+            # A decode step's rows are sequences at their prompt's last token or past it,
+            # never one with prompt tokens still to compute before the one it would sample.
+            seq = scheduler._requests[request.request_id]
+            assert plan.is_prefill or seq.num_uncomputed_tokens <= 1
         cache = scheduler.encoder_cache
         assert cache.num_used_tokens <= cache.num_tokens
         assert self.entries == {h for h in self.entries if cache.has(h)}
@@ -195,6 +200,9 @@ LAYOUTS = st.text(alphabet="abcABC", min_size=1, max_size=6)
     num_blocks=st.integers(13, 40),  # one prompt of 3 images and its tokens: 13 blocks
     aborts=st.lists(st.integers(0, 30), max_size=3),
 )
+# Found by the decode-rows check: "aAB" waits mid-prompt for B's room while "A" decodes, and
+# the decode step took "aAB" in too, as if its next prompt token were a decode.
+@example(layouts=["aAB", "A"], images_room=1, step_tokens=2, num_blocks=13, aborts=[])
 def test_random_runs_never_miss_an_image_and_end_with_nothing_held(
     layouts: list[str], images_room: int, step_tokens: int, num_blocks: int, aborts: list[int]
 ) -> None:

@@ -291,6 +291,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not running:
                 continue  # preempted just now to make room for an older sequence
+            if seq.num_uncomputed_tokens > 1:
+                continue  # a prompt whose next chunk waits (for blocks or an image's room)
             num_tokens = len(seq.token_ids) + seq.num_pending
             if seq.num_pending and num_tokens >= seq.max_length:
                 continue  # its pending token is its last
