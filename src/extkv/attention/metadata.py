@@ -14,8 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the kernels import Triton; the metadata is also the CPU's
+    from extkv.kernels.ssd_prefill import ChunkLayout
 
 
 @dataclass
@@ -62,9 +66,9 @@ class MambaMetadata:
     cu_seqlens_q: torch.Tensor  # int32 (num_seqs + 1,)
     state_indices: torch.Tensor | None = None  # int32 (num_state_groups, num_seqs)
     has_initial_state: torch.Tensor | None = None  # bool (num_seqs,)
-    # What every Mamba layer of the step derives alike, made by the first (a prefill's
-    # chunk layout, by chunk size); it goes with the step.
-    shared: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    # A CUDA prefill's chunk layout by chunk size: made by the step's first Mamba layer,
+    # read by the others, gone with the step.
+    chunk_layouts: dict[int, ChunkLayout] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -157,11 +157,11 @@ def _causal_conv_prefill_kernel(
     for lo in range(0, CHUNK, BLOCK_T):
         t = lo + tl.arange(0, BLOCK_T)
         t_live = t < length
+        inside = t_live[:, None] & c_live[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32) + bias[None, :]
         for k in tl.static_range(WIDTH):
             back = WIDTH - 1 - k  # how many tokens before this one the tap reads
             pos = offset + t - back  # in the sequence; < 0: in the conv state
-            inside = t_live[:, None] & c_live[None, :]
             value = tl.load(
                 x_ptr + (start + t - back)[:, None] * stride_xt + c[None, :] * stride_xc,
                 mask=inside & (pos >= 0)[:, None],
@@ -183,7 +183,7 @@ def _causal_conv_prefill_kernel(
         tl.store(
             out_ptr + (start + t)[:, None] * stride_ot + c[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=t_live[:, None] & c_live[None, :],
+            mask=inside,
         )
 
 
@@ -255,7 +255,7 @@ def causal_conv_prefill(
             WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state, CHUNK=layout.chunk,
             BLOCK_T=min(32, layout.chunk), BLOCK_C=block_c,
         )  # fmt: skip
-    if has_state and width > 1:
+    if has_state:
         _conv_state_store_kernel[(layout.num_seqs, triton.cdiv(channels, block_c))](
             x, *state, cu_seqlens, *x.stride(), *state_strides, channels,
             WIDTH=width, BLOCK_C=block_c,

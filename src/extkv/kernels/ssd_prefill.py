@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.models.mamba2_ops import chunk_length
+
 _BLOCK_L = 64  # token rows per tile (rows of the scan, keys of the chunk state)
 _BLOCK_P_MAX = 64  # head channels per program
 
@@ -274,11 +276,10 @@ class ChunkLayout:
 
 
 def chunk_layout(cu_seqlens: Sequence[int], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The layout of a step's sequences (`cu_seqlens` on the host), built in one copy.
-    The chunk length is `chunk_size`, or the longest sequence's rounded up to a power of
-    two if shorter."""
+    """The layout of a step's sequences (`cu_seqlens` on the host) in chunks as
+    `ssd_varlen` cuts them (`chunk_length`), built in one copy."""
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
-    chunk = min(chunk_size, triton.next_power_of_2(max(max(lengths, default=1), 1)))
+    chunk = chunk_length(lengths, chunk_size)
     chunks = [
         (seq_start + lo, min(chunk, n - lo), seq, lo)
         for seq, (seq_start, n) in enumerate(zip(cu_seqlens, lengths, strict=False))

@@ -235,10 +235,11 @@ class Mamba2Mixer(nn.Module):
         from extkv.kernels.causal_conv import causal_conv_prefill
         from extkv.kernels.ssd_prefill import chunk_layout, ssd_prefill
 
-        chunk, key = self.dims.chunk_size, ("chunks", self.dims.chunk_size)
-        if key not in metadata.shared:  # the step's first Mamba layer builds it
-            metadata.shared[key] = chunk_layout(metadata.host_cu_seqlens, chunk, xBC.device)
-        layout = metadata.shared[key]
+        chunk = self.dims.chunk_size
+        if chunk not in metadata.chunk_layouts:  # the step's first Mamba layer builds it
+            layout = chunk_layout(metadata.host_cu_seqlens, chunk, xBC.device)
+            metadata.chunk_layouts[chunk] = layout
+        layout = metadata.chunk_layouts[chunk]
         rows = ()  # the states' rows and whether each carries over; none unbound
         if self._bound(metadata):
             rows = (self._state_indices(metadata), metadata.has_initial_state)

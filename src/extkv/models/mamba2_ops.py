@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,14 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~ones.tril(), -torch.inf)
 
 
+def chunk_length(lengths: Sequence[int], chunk_size: int) -> int:
+    """The chunk length a prefill's scan cuts its sequences into: `chunk_size`, or the
+    longest sequence's length rounded up to a power of two where that is shorter (a batch
+    of short prompts pads less)."""
+    longest = max(max(lengths, default=1), 1)
+    return min(chunk_size, 1 << (longest - 1).bit_length())
+
+
 def ssd_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -132,7 +141,7 @@ def ssd_varlen(
     groups, state_size = B.shape[1:]
     device = x.device
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
-    chunk = min(chunk_size, 1 << (max(max(lengths), 1) - 1).bit_length())
+    chunk = chunk_length(lengths, chunk_size)
     seq_chunks = [math.ceil(n / chunk) for n in lengths]
     num_chunks = sum(seq_chunks)
     first_chunk = [0, *itertools.accumulate(seq_chunks)]
