@@ -203,6 +203,12 @@ LAYOUTS = st.text(alphabet="abcABC", min_size=1, max_size=6)
 # Found by the decode-rows check: "aAB" waits mid-prompt for B's room while "A" decodes, and
 # the decode step took "aAB" in too, as if its next prompt token were a decode.
 @example(layouts=["aAB", "A"], images_room=1, step_tokens=2, num_blocks=13, aborts=[])
+# Without that, "AAABA" waited for A's room, held by "AAB", which waited for the blocks
+# "AAABA" held: nothing ran again until the youngest was preempted.
+@example(layouts=["AAABA", "AAB"], images_room=1, step_tokens=5, num_blocks=13, aborts=[])
+# "AAA" lacked blocks, preempted "AB" for them, still lacked them, and "AB" was admitted
+# again in the same step to take them back: every step, for good (before this session).
+@example(layouts=["AAA", "AAA", "AB"], images_room=1, step_tokens=13, num_blocks=13, aborts=[])
 def test_random_runs_never_miss_an_image_and_end_with_nothing_held(
     layouts: list[str], images_room: int, step_tokens: int, num_blocks: int, aborts: list[int]
 ) -> None:

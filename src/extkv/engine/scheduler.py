@@ -118,6 +118,11 @@ class Scheduler:
         cache = self.encoder_cache
         self._encode_budget = 0 if cache is None else cache.num_tokens
         step = self._schedule_prefill() or self._schedule_decode()
+        while step is None and self._stalled():
+            # Prompts wait on what others hold (blocks, an image's room): the youngest
+            # gives all of it back and recomputes later, so the oldest always goes on.
+            self._preempt(self.running[-1])
+            step = self._schedule_prefill() or self._schedule_decode()
         if step is None:
             return None
         seqs, counts, is_prefill = step
@@ -179,6 +184,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_num_batched_tokens
+        admitting = True  # waiting requests may start this step
         # A sequence whose prompt was cut into chunks goes on first.
         running = SequenceStatus.RUNNING
         for seq in list(self.running):
@@ -186,14 +192,19 @@ class Scheduler:
                 continue  # preempted just now, or ready to decode
             start = seq.num_computed_tokens
             n = self._image_chunk(seq, start, min(seq.num_uncomputed_tokens, budget))
-            if n == 0 or not self._make_room(seq, start + n, preempt_itself=False):
-                continue  # waits, keeping its blocks, until a decode frees or takes them
+            if n == 0:
+                continue  # waits for its image's room in the encoder cache
+            if not self._make_room(seq, start + n, preempt_itself=False):
+                # Waits, keeping its blocks, until a decode frees or takes them; a younger
+                # request admitted now would take the blocks its preemptions just freed.
+                admitting = False
+                continue
             self._hold_images(seq, start, n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         blocks = self.block_manager
-        for seq in list(self.waiting):
+        for seq in list(self.waiting if admitting else ()):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.num_pending or self._waits_for_leader(seq):
@@ -283,6 +294,12 @@ class Scheduler:
             and leader.status != SequenceStatus.FINISHED
             and leader.num_computed_tokens < leader.num_prompt_tokens
         )
+
+    def _stalled(self) -> bool:
+        """Whether a running prompt waits for its next chunk with another sequence running
+        that holds what it lacks (nothing else was schedulable)."""
+        waiting_prompt = any(seq.num_uncomputed_tokens > 1 for seq in self.running)
+        return waiting_prompt and len(self.running) > 1
 
     def _schedule_decode(self) -> tuple[list[Sequence], list[int], bool] | None:
         seqs = []
