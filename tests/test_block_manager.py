@@ -305,10 +305,10 @@ def test_resize_grows_and_shrinks_moving_held_blocks_and_their_cache() -> None:
     manager.free(y)  # free, oldest first: 6 7 0 1 2 3 4 5; all cached
     z = computed(manager, list(range(200, 212)), "z")
     assert table(z) == [6, 7, 0]
-    moves = manager.resize(4)
+    moves = manager.resize(4, [z])
     assert moves == {6: 1, 7: 2}  # to the oldest free blocks below the new end
     assert manager.num_blocks == 4 and manager.num_used_blocks == 3
-    z.block_tables = [[moves.get(b, b) for b in table(z)]]
+    assert table(z) == [1, 2, 0]
     # z's blocks are known by content under their new ids; y's (past the end) are gone.
     assert manager.cached_prefix(make_seq([*range(200, 212), 1])) == ([1, 2, 0],)
     assert manager.cached_prefix(make_seq([*range(100, 108), 1])) == ()
@@ -431,14 +431,12 @@ class BlockMachine(RuleBasedStateMachine):
                 manager.resize(target)
             return
         used = manager.num_used_blocks_by_group
-        moves = manager.resize(target)
+        moves = manager.resize(target, self.holders)
         assert all(old >= target > new for old, new in moves.items())
         assert manager.num_used_blocks_by_group == used
         kept = {b: c for b, c in self.content.items() if b < target and b not in moves.values()}
         kept |= {new: self.content[old] for old, new in moves.items() if old in self.content}
         self.content = kept
-        for seq in self.holders:
-            seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
 
     @precondition(lambda self: self.holders)
     @rule(index=st.integers(0, 99))
@@ -469,6 +467,20 @@ class BlockMachine(RuleBasedStateMachine):
                 assert NO_BLOCK not in entries[released:]
         assert manager.num_used_blocks_by_group == [len(blocks) for blocks in by_group]
         assert sum(map(len, by_group)) == len(set().union(*by_group))  # one group's at a time
+
+    @invariant()
+    def host_tables_mirror_the_lists(self) -> None:
+        """Every holder's row of the host tables is its lists, 0 past their ends; no two
+        holders share a row."""
+        host = self.manager.tables
+        rows = [seq.table_row for seq in self.holders]
+        assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0
+        for seq in self.holders:
+            for group, entries in enumerate(seq.block_tables):
+                ids = host.ids[group, seq.table_row]
+                assert host.lengths[group, seq.table_row] == len(entries)
+                assert ids[: len(entries)].tolist() == entries
+                assert not ids[len(entries) :].any()
 
     @invariant()
     def only_equal_prefixes_share_a_block(self) -> None:

@@ -108,7 +108,7 @@ def test_presence_and_frequency_penalties_count_only_output_tokens() -> None:
 def scheduled_request(request_id: str, tokens: list[int], params: SamplingParams):
     """A prefill of `tokens` that samples with `params`."""
     return ScheduledRequest(
-        request_id, 0, len(tokens), tokens, False, ([0],), params, num_prompt_tokens=len(tokens)
+        request_id, 0, len(tokens), tokens, False, 0, params, num_prompt_tokens=len(tokens)
     )
 
 

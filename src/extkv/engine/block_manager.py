@@ -20,8 +20,11 @@ it out again, least recently freed first, so a later prompt can still hit on it.
 
 The pool can be resized between steps (the KV cache grown or shrunk while serving):
 growing adds free blocks; shrinking drops the free blocks past the new end and moves
-each held one there to a free block below it, its cached content too, returning the
-moves for the caller to copy and to rewrite every group's tables with.
+each held one there to a free block below it, its cached content too, rewriting the
+holders' tables and returning the moves for the caller to copy.
+
+Every change to a table is also written into `tables` (HostBlockTables), the rows a
+step's inputs are gathered from.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from extkv.engine.block_tables import HostBlockTables
 from extkv.engine.sequence import Sequence
 from extkv.kv_cache.groups import KVCacheGroup
 
@@ -73,6 +77,7 @@ class BlockManager:
         self._key_of: dict[int, GroupKey] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
         self._peak_used = 0  # the most blocks held at once since take_peak_used
+        self.tables = HostBlockTables(len(groups))
 
     @property
     def num_used_blocks(self) -> int:
@@ -128,6 +133,9 @@ class BlockManager:
                 if block != NO_BLOCK:
                     self._take(block, group)
         seq.block_tables = [list(table) for table in tables]
+        seq.table_row = self.tables.add_row()
+        for group, table in enumerate(seq.block_tables):
+            self.tables.extend(seq.table_row, group, table)
         seq.num_released_blocks = [table.count(NO_BLOCK) for table in seq.block_tables]
         seq.num_computed_tokens = len(tables[0]) * self.block_size
         self.num_cached_tokens += seq.num_computed_tokens
@@ -170,11 +178,12 @@ class BlockManager:
         """Free blocks below `num_blocks`: where shrinking there can move blocks to."""
         return sum(1 for block in self._free if block < num_blocks)
 
-    def resize(self, num_blocks: int) -> dict[int, int]:
+    def resize(self, num_blocks: int, holders: Seq[Sequence] = ()) -> dict[int, int]:
         """Make the pool `num_blocks` blocks; return {old: new} for every held block that
         moved (those from `num_blocks` on, when shrinking; the caller copies their
-        contents and rewrites its tables). Free blocks past the end, and what they cached,
-        are forgotten. Raises if the held blocks past the end outnumber the free ones below."""
+        contents). The tables of `holders`, every sequence holding blocks, are rewritten.
+        Free blocks past the end, and what they cached, are forgotten. Raises if the held
+        blocks past the end outnumber the free ones below."""
         if num_blocks >= self.num_blocks:
             self._free.update(dict.fromkeys(range(self.num_blocks, num_blocks)))
             self._refs += [0] * (num_blocks - self.num_blocks)
@@ -202,6 +211,10 @@ class BlockManager:
                 self._key_of[new] = key
         del self._refs[num_blocks:]
         self.num_blocks = num_blocks
+        if moves:
+            for seq in holders:
+                seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
+            self.tables.move(moves)
         return moves
 
     # --- allocation ----------------------------------------------------------------------
@@ -257,8 +270,12 @@ class BlockManager:
         if not seq.block_tables:
             seq.block_tables = tables
             seq.num_released_blocks = [0] * len(self.groups)
+            seq.table_row = self.tables.add_row()
         for index, (table, count) in enumerate(zip(tables, missing, strict=True)):
-            table.extend(self._take_free(index) for _ in range(count))
+            if count:
+                taken = [self._take_free(index) for _ in range(count)]
+                table += taken
+                self.tables.extend(seq.table_row, index, taken)
         self._peak_used = max(self._peak_used, self.num_used_blocks)
 
     def release_out_of_window(self, seq: Sequence) -> None:
@@ -270,10 +287,13 @@ class BlockManager:
             released = seq.num_released_blocks[index]
             out = self.groups[index].num_out_of_window(seq.num_computed_tokens)
             first_seen = min(out, len(table))
+            if first_seen <= released:
+                continue
             for i in range(released, first_seen):
                 self._drop(table[i], index)
                 table[i] = NO_BLOCK
-            seq.num_released_blocks[index] = max(released, first_seen)
+            self.tables.set(seq.table_row, index, released, [NO_BLOCK] * (first_seen - released))
+            seq.num_released_blocks[index] = first_seen
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks in every group; one left unheld is free but keeps
@@ -281,6 +301,9 @@ class BlockManager:
         for index, table in enumerate(seq.block_tables):
             for block in table[seq.num_released_blocks[index] :]:
                 self._drop(block, index)
+        if seq.table_row >= 0:
+            self.tables.free_row(seq.table_row)
+            seq.table_row = -1
         seq.block_tables = []
         seq.num_released_blocks = []
         seq.block_hashes = []

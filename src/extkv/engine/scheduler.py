@@ -133,6 +133,7 @@ class Scheduler:
         plan = StepPlan(
             is_prefill,
             requests,
+            self.block_manager.tables,
             new_request_ids=self._new,
             resumed_request_ids=self._resumed,
             finished_request_ids=self._finished,
@@ -160,7 +161,7 @@ class Scheduler:
             num_new_tokens=num_new_tokens,
             token_ids=known,
             pending=len(known) < num_new_tokens,
-            block_ids=tuple(seq.block_tables),
+            table_row=seq.table_row,
             sampling=params if samples else None,
             history=seq.token_ids if wants_history else (),
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -177,7 +178,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + 1]  # empty: the token is still in flight
         return ScheduledRequest(
-            seq.request_id, start, 1, known, not known, tuple(seq.block_tables), seq.params
+            seq.request_id, start, 1, known, not known, seq.table_row, seq.params
         )
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int], bool] | None:
@@ -358,11 +359,7 @@ class Scheduler:
         while blocks.num_held_from(num_blocks) > blocks.num_free_below(num_blocks):
             self._preempt(next(s for s in reversed(self.running) if _holds_from(s, num_blocks)))
             preempted += 1
-        moves = blocks.resize(num_blocks)
-        if moves:
-            for seq in self.running:
-                seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
-        return moves, preempted
+        return blocks.resize(num_blocks, self.running), preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

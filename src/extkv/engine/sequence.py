@@ -46,6 +46,7 @@ class Sequence:
         # window), a recurrent group's the one block its state lives in.
         self.block_tables: list[list[int]] = []
         self.num_released_blocks: list[int] = []  # per group: leading entries released
+        self.table_row = -1  # its row of the block manager's HostBlockTables, while it holds blocks
         self.block_hashes: list[int] = []  # prefix caching: content chain of full blocks
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it

@@ -136,25 +136,20 @@ def build_step_inputs(
     tokens[0, is_known] = np.fromiter(known, np.int64, num_tokens - len(pending_rows))
     sources = (last_rows[r.request_id] for r in requests if r.pending)
     tokens[2, pending_rows] = np.fromiter(sources, np.int64, len(pending_rows))
-    if num_attention:  # they come first in block_ids, their tables all of one length
-        by_group = [[r.block_ids[g] for r in requests] for g in range(num_attention)]
-        lengths = np.fromiter(map(len, by_group[0]), np.int64, num_seqs)
-        width = int(lengths.max()) if num_seqs else 0
-        tables = np.zeros((num_attention, num_seqs, width), dtype=np.int32)
-        held = np.arange(width) < lengths[:, None]  # row-major: each table in order
-        for g, group_tables in enumerate(by_group):
-            ids = chain.from_iterable(group_tables)
-            tables[g][held] = np.fromiter(ids, np.int64, int(lengths.sum()))
+    # Attention groups come first among the tables, their tables all of one length.
+    rows = np.fromiter((r.table_row for r in requests), np.int64, num_seqs)
+    if num_attention and num_seqs:
+        tables = plan.block_tables.gather(slice(0, num_attention), rows)
         size = kv_plan.block_size
         tokens[TOKEN_ROWS:] = tables[:, seq_of_token, positions // size] * size + positions % size
     else:
-        tables = np.zeros((0, num_seqs, 0), dtype=np.int32)
+        tables = np.zeros((num_attention, num_seqs, 0), dtype=np.int32)
     num_state = len(kv_plan.state_groups)
     seqs = np.empty((2 + num_state, num_seqs), dtype=np.int32)
     seqs[0] = starts + counts
     seqs[1] = starts > 0
-    for g in range(num_state):
-        seqs[2 + g] = [r.block_ids[num_attention + g][0] for r in requests]
+    if num_state and num_seqs:  # a recurrent group's table is its one state block
+        seqs[2:] = plan.block_tables.ids[num_attention:, rows, 0]
     prompt_rows = [  # only a prefill computes prompt positions
         int(cu_seqlens[i]) + p - r.num_computed_tokens
         for i, r in enumerate(requests if plan.is_prefill else ())

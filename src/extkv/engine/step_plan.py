@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from extkv.engine.block_tables import HostBlockTables
 from extkv.engine.multimodal import ImageInput
 from extkv.engine.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ class ScheduledRequest:
     num_new_tokens: int
     token_ids: list[int]
     pending: bool
-    block_ids: tuple[list[int], ...]  # per KV cache group (see KVCachePlan.groups)
+    table_row: int  # its block tables' row of the plan's `block_tables`
     sampling: SamplingParams | None  # set when this step samples the request's next token
     # The request's tokens the host knows (prompt first; a reference, read while the step
     # launches), when penalties or prompt logprobs need them; else empty (a shared empty
@@ -66,13 +67,16 @@ class StepPlan:
     `new_request_ids` are scheduled for the first time, `resumed_request_ids` again
     after a preemption (their KV is recomputed from position 0), and
     `finished_request_ids` ended since the previous plan (finished or aborted): the
-    runner drops what it kept for them.
+    runner drops what it kept for them. `block_tables` holds every request's tables
+    (one per KV cache group, see KVCachePlan.groups), row `table_row` each; read while
+    the step launches, before the scheduler changes them again.
 
     The encoder cache: the runner drops the entries `evicted_encoder_hashes` first, then
     encodes `encoder_inputs` (images no entry holds yet) into new ones."""
 
     is_prefill: bool
     requests: list[ScheduledRequest]
+    block_tables: HostBlockTables | None = None  # None: a plan without requests
     new_request_ids: list[str] = field(default_factory=list)
     resumed_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
