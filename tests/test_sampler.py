@@ -124,7 +124,7 @@ def test_a_plain_batch_takes_the_decode_graphs_argmax() -> None:
     request = scheduled_request("a", [1, 2], SamplingParams(temperature=0, logit_bias={9: 99.0}))
     batch = SamplingBatch.build(
         [request, scheduled_request("b", [3], plain)],
-        [None, None],
+        lambda request: None,
         VOCAB,
         torch.zeros(2, dtype=torch.int32),
         {},

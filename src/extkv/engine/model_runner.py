@@ -38,7 +38,7 @@ from extkv.engine.cuda_graphs import DecodeGraphs, decode_batch_sizes, free_devi
 from extkv.engine.encoder_cache import encoder_budget
 from extkv.engine.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
 from extkv.engine.sampler import Sampler, TopLogprobs, top_logprobs
-from extkv.engine.sampling_batch import SamplingBatch, distinct_params
+from extkv.engine.sampling_batch import SamplingBatch
 from extkv.engine.step_inputs import (
     InputBuffers,
     StepInputs,
@@ -466,7 +466,7 @@ class ModelRunner:
             out.prompt_spans, out.prompt_logprobs = self._prompt_logprobs(plan, result.prompt)
         if result.logits is not None:
             batch = SamplingBatch.build(
-                sampled, self._generators_of(sampled), self.vocab_size, self.last_tokens, last_rows
+                sampled, self._generator, self.vocab_size, self.last_tokens, last_rows
             )
             sample = self.sampler(result.logits, batch, result.greedy)
             self.last_tokens[: len(sampled)] = sample.tokens
@@ -492,13 +492,6 @@ class ModelRunner:
                 ks.append(r.prompt_logprobs)
         chosen = torch.tensor(targets, device=self.device)
         return spans, top_logprobs(logits, chosen, max(ks)).to_host()
-
-    def _generators_of(self, requests: list[ScheduledRequest]) -> list[torch.Generator | None]:
-        """Each request's own generator (None: unseeded); a step without a seeded request,
-        the usual one, asks none of them."""
-        if all(p.seed is None for p in distinct_params([r.sampling for r in requests])):
-            return [None] * len(requests)
-        return [self._generator(r) for r in requests]
 
     def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
         """A seeded request's own generator, made when it first samples: its tokens then

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from extkv.engine.sampling_batch import LogitAdjustments, SamplingBatch, distinct_params
+from extkv.engine.sampling_batch import LogitAdjustments, SamplingBatch
 
 
 def _truncate(
@@ -140,7 +140,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
         params = batch.params
         sampled_rows = []  # the rows that draw a token: none in an all-greedy batch
-        if not all(p.greedy for p in distinct_params(params)):
+        if not all(p.greedy for p in batch.distinct):
             sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             tokens = tokens.clone()

@@ -4,7 +4,7 @@ padded tensors of logit biases, min_tokens masks, penalty histories and logprobs
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,21 +38,31 @@ class SamplingBatch:
     adjust: LogitAdjustments | None = None
     logprob_rows: list[int] = field(default_factory=list)  # rows whose logprobs are returned
     logprob_k: list[int] = field(default_factory=list)  # top-k of each of those rows
+    # The distinct objects among `params` (see distinct_params): what a question asked of
+    # every row asks, found once per step.
+    distinct: Collection[SamplingParams] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.distinct = distinct_params(self.params)
 
     @classmethod
     def build(
         cls,
         requests: list[ScheduledRequest],
-        generators: list[torch.Generator | None],
+        generator_of: Callable[[ScheduledRequest], torch.Generator | None],
         vocab_size: int,
         last_tokens: torch.Tensor,
         last_rows: dict[str, int],
     ) -> SamplingBatch:
-        """The batch of `requests` (each has `sampling`); a pending last token is read from
-        `last_tokens` (row `last_rows[request_id]`: the previous step's samples)."""
+        """The batch of `requests` (each has `sampling`), a seeded one's generator from
+        `generator_of` (a step without a seeded request, the usual one, asks none); a
+        pending last token is read from `last_tokens` (row `last_rows[request_id]`: the
+        previous step's samples)."""
         params = [r.sampling for r in requests]
-        batch = cls(params, generators)
-        if not any(map(_adjusts, distinct_params(params))):
+        batch = cls(params, [None] * len(params))
+        if any(p.seed is not None for p in batch.distinct):
+            batch.generators = [generator_of(r) for r in requests]
+        if not any(map(_adjusts, batch.distinct)):
             return batch  # the usual batch: nothing to adjust, no logprobs
         batch.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         batch.logprob_k = [params[i].logprobs for i in batch.logprob_rows]
