@@ -37,23 +37,24 @@ class HostBlockTables:
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
         return self._free_rows.pop()
 
-    def free_row(self, row: int) -> None:
-        """Zero `row` and let another sequence take it."""
-        longest = int(self.lengths[:, row].max())
+    def free_row(self, row: int, longest: int) -> None:
+        """Zero `row` (its longest table has `longest` entries) for another sequence."""
         self.ids[:, row, :longest] = 0
         self.lengths[:, row] = 0
         self._free_rows.append(row)
 
-    def extend(self, row: int, group: int, block_ids: list[int]) -> None:
-        """Append `block_ids` to `row`'s table in `group`."""
-        start = int(self.lengths[group, row])
+    def extend(self, row: int, group: int, start: int, block_ids: list[int]) -> None:
+        """Append `block_ids` to `row`'s table in `group`, `start` entries long so far."""
         end = start + len(block_ids)
         if end > self.ids.shape[2]:
             columns = max(end, 2 * self.ids.shape[2])
             wider = np.zeros((*self.ids.shape[:2], columns), dtype=self.ids.dtype)
             wider[:, :, : self.ids.shape[2]] = self.ids
             self.ids = wider
-        self.ids[group, row, start:end] = block_ids
+        if len(block_ids) == 1:  # a decode's new block: a scalar write, no list converted
+            self.ids[group, row, start] = block_ids[0]
+        else:
+            self.ids[group, row, start:end] = block_ids
         self.lengths[group, row] = end
 
     def set(self, row: int, group: int, start: int, block_ids: list[int]) -> None:
