@@ -1,13 +1,15 @@
 """The engine's host (Python) time per decode step on the CPU, without the model's compute:
 scheduling, building the step's inputs, sampling bookkeeping, reading the tokens, outputs.
 
-    python benchmarks/bench_host.py [--batch-sizes 1 64 256] [--baseline-src DIR] [--json OUT]
+    python benchmarks/bench_host.py [--batch-sizes 1 64 256] [--prompt-len 16]
+        [--baseline-src DIR] [--json OUT]
     python benchmarks/bench_host.py --smoke   # fewer, smaller batches: proves it runs
 
 A random 1-layer checkpoint (demo size, vocabulary 384) runs on the CPU in one engine
 (asynchronous scheduling, the default on one rank), driven one step at a time through
 `LLM.engine` as `LLM.generate` drives it (`step(finished_only=True)`, where the tree has
-it). Each batch gets random 16-token prompts (greedy, ignore_eos, enough tokens that none
+it). Each batch gets random prompts of `--prompt-len` tokens (16; SmolLM2's benchmark
+has 128: longer block tables) (greedy, ignore_eos, enough tokens that none
 finishes while timed); the steps run until every request has its first token (the
 prefill), then some warm-up decode steps, then `--repeats` windows of `--steps` decode
 steps each are timed.
@@ -52,7 +54,6 @@ COLUMNS: list[Column] = [
     ("us_per_request", "us/req", ".2f"),
     ("graph_us", "graph us", ".1f"),
 ]
-PROMPT_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,14 @@ class GraphTimer:
             del self.graphs.run
 
 
-def host_figures(llm: LLM, batch: int, vocab: int, setting: Setting) -> dict[str, float]:
+def host_figures(
+    llm: LLM, batch: int, vocab: int, setting: Setting, prompt_len: int
+) -> dict[str, float]:
     """The figures of one batch size on `llm` (see the module's docstring)."""
     engine = llm.engine
     tokens = setting.warmup + setting.steps * setting.repeats + 8
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(PROMPT_LEN)] for i in range(batch)]
+    prompts = [[1 + (i * 7 + j) % (vocab - 1) for j in range(prompt_len)] for i in range(batch)]
     request_ids = {engine.add_request(ids, params) for ids in prompts}
     step = stepper(engine)
     run_prefill(engine, request_ids)
@@ -147,10 +150,13 @@ def measure(args) -> Rows:
         device="cpu",
         cpu_memory_budget_bytes=256 << 20,
         max_num_seqs=max(batch_sizes),
-        max_model_len=PROMPT_LEN + setting.warmup + setting.steps * setting.repeats + 64,
+        max_model_len=args.prompt_len + setting.warmup + setting.steps * setting.repeats + 64,
     )
     vocab = llm.engine.vocab_size
-    rows: Rows = {f"b{batch}": host_figures(llm, batch, vocab, setting) for batch in batch_sizes}
+    rows: Rows = {
+        f"b{batch}": host_figures(llm, batch, vocab, setting, args.prompt_len)
+        for batch in batch_sizes
+    }
     llm.close()
     return rows
 
@@ -158,6 +164,7 @@ def measure(args) -> Rows:
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 64 256 (smoke: 1 4)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens of each prompt")
     parser.add_argument("--smoke", action="store_true", help="small batches, few steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
