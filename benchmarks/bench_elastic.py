@@ -527,6 +527,8 @@ def main() -> None:
     if {"engine", "during"} & set(args.sections):
         options = {} if cuda else {"device": "cpu", "cpu_memory_budget_bytes": 512 << 20}
         utilizations = args.engine_utilization if cuda else [None]
+        if "engine" not in args.sections:
+            utilizations = utilizations[:1]  # `during` runs on the first engine only
         engine_rows: Rows = {}
         for index, utilization in enumerate(utilizations):
             if utilization is not None:
@@ -540,7 +542,7 @@ def main() -> None:
             )
             vocab = llm.engine.vocab_size
             if "engine" in args.sections:
-                label = "engine" if index == 0 else f"engine {utilization}"
+                label = "engine" if utilization in (None, 0.9) else f"engine {utilization}"
                 engine_rows |= engine_sleep(llm, device, vocab, label)
                 done("engine", engine_rows)
                 if index == 0:

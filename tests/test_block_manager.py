@@ -305,7 +305,7 @@ def test_resize_grows_and_shrinks_moving_held_blocks_and_their_cache() -> None:
     manager.free(y)  # free, oldest first: 6 7 0 1 2 3 4 5; all cached
     z = computed(manager, list(range(200, 212)), "z")
     assert table(z) == [6, 7, 0]
-    moves = manager.resize(4, [z])
+    moves = manager.resize(4)
     assert moves == {6: 1, 7: 2}  # to the oldest free blocks below the new end
     assert manager.num_blocks == 4 and manager.num_used_blocks == 3
     assert table(z) == [1, 2, 0]
@@ -431,7 +431,7 @@ class BlockMachine(RuleBasedStateMachine):
                 manager.resize(target)
             return
         used = manager.num_used_blocks_by_group
-        moves = manager.resize(target, self.holders)
+        moves = manager.resize(target)
         assert all(old >= target > new for old, new in moves.items())
         assert manager.num_used_blocks_by_group == used
         kept = {b: c for b, c in self.content.items() if b < target and b not in moves.values()}

@@ -44,7 +44,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token, -1 = skip
     cu_seqlens_q: torch.Tensor  # int32 (num_seqs + 1,)
     context_lens: torch.Tensor  # int32 (num_seqs,): tokens in the cache after this step
-    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq), -1 padded
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq), 0 padded
     max_seqlen_q: int
     max_context_len: int
     key_bounds: torch.Tensor | None = None  # int32 (num_tokens,)

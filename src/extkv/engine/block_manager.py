@@ -20,8 +20,8 @@ it out again, least recently freed first, so a later prompt can still hit on it.
 
 The pool can be resized between steps (the KV cache grown or shrunk while serving):
 growing adds free blocks; shrinking drops the free blocks past the new end and moves
-each held one there to a free block below it, its cached content too, rewriting the
-holders' tables and returning the moves for the caller to copy.
+each held one there to a free block below it, its cached content too, rewriting every
+holder's tables and returning the moves for the caller to copy.
 
 Every change to a table is also written into `tables` (HostBlockTables), the rows a
 step's inputs are gathered from.
@@ -79,6 +79,7 @@ class BlockManager:
         self.num_cached_tokens = 0  # prompt tokens served from the cache, for stats
         self._peak_used = 0  # the most blocks held at once since take_peak_used
         self.tables = HostBlockTables(len(groups))
+        self._holders: dict[int, Sequence] = {}  # every sequence holding blocks, by table row
 
     @property
     def num_used_blocks(self) -> int:
@@ -134,7 +135,7 @@ class BlockManager:
                 if block != NO_BLOCK:
                     self._take(block, group)
         seq.block_tables = [list(table) for table in tables]
-        seq.table_row = self.tables.add_row()
+        self._add_holder(seq)
         for group, table in enumerate(seq.block_tables):
             self.tables.extend(seq.table_row, group, 0, table)
         seq.num_released_blocks = [table.count(NO_BLOCK) for table in seq.block_tables]
@@ -181,12 +182,12 @@ class BlockManager:
         past = max(self.num_blocks - num_blocks, 0)
         return len(self._free) - (past - self.num_held_from(num_blocks))
 
-    def resize(self, num_blocks: int, holders: Seq[Sequence] = ()) -> dict[int, int]:
+    def resize(self, num_blocks: int) -> dict[int, int]:
         """Make the pool `num_blocks` blocks; return {old: new} for every held block that
         moved (those from `num_blocks` on, when shrinking; the caller copies their
-        contents). The tables of `holders`, every sequence holding blocks, are rewritten.
-        Free blocks past the end, and what they cached, are forgotten. Raises if the held
-        blocks past the end outnumber the free ones below.
+        contents), every holder's tables rewritten with them. Free blocks past the end,
+        and what they cached, are forgotten. Raises if the held blocks past the end
+        outnumber the free ones below.
 
         A sleep shrinks the whole pool to 0 and its wake grows it back: at 70k blocks
         that took 15 ms and 176 ms with a key at a time (`OrderedDict.update` is slow on
@@ -199,23 +200,30 @@ class BlockManager:
             self._refs += [0] * (num_blocks - self.num_blocks)
             self.num_blocks = num_blocks
             return {}
-        held = list(compress(range(num_blocks, self.num_blocks), self._refs[num_blocks:]))
+        past = range(num_blocks, self.num_blocks)
+        held_past = self._refs[num_blocks:]
+        held = list(compress(past, held_past))
         room = list(islice((b for b in self._free if b < num_blocks), len(held)))
         if len(held) > len(room):
             raise RuntimeError(
                 f"cannot shrink to {num_blocks} blocks: {len(held)} held past it, "
                 f"{self.num_free_below(num_blocks)} free below it"
             )
-        for block in [b for b in self._key_of if b >= num_blocks and not self._refs[b]]:
-            self._forget(block)  # free past the end: gone, and its content with it
-        free_past = self.num_blocks - num_blocks - len(held)
+        # Free blocks past the end go, and what they cached (of the fewer: those past the
+        # end, or the cached ones).
+        key_of = self._key_of
+        cached = [b for b in past if b in key_of] if len(past) < len(key_of) else list(key_of)
+        for block in cached:
+            if block >= num_blocks and not self._refs[block]:
+                self._forget(block)
+        free_past = len(past) - len(held)
         if 2 * (free_past + len(room)) > len(self._free):  # most of them go: a new dict
             taken, every = set(room), free_past + len(room) == len(self._free)
             kept = () if every else (b for b in self._free if b < num_blocks and b not in taken)
             self._free = OrderedDict.fromkeys(kept)
         else:
-            unheld = [not refs for refs in self._refs[num_blocks:]]
-            for block in chain(room, compress(range(num_blocks, self.num_blocks), unheld)):
+            unheld = [not refs for refs in held_past]
+            for block in chain(room, compress(past, unheld)):
                 del self._free[block]
         moves = dict(zip(held, room, strict=True))
         for old, new in moves.items():
@@ -228,7 +236,7 @@ class BlockManager:
         del self._refs[num_blocks:]
         self.num_blocks = num_blocks
         if moves:
-            for seq in holders:
+            for seq in self._holders.values():
                 seq.block_tables = [[moves.get(b, b) for b in t] for t in seq.block_tables]
             self.tables.move(moves)
         return moves
@@ -286,7 +294,7 @@ class BlockManager:
         if not seq.block_tables:
             seq.block_tables = tables
             seq.num_released_blocks = [0] * len(self.groups)
-            seq.table_row = self.tables.add_row()
+            self._add_holder(seq)
         for index, (table, count) in enumerate(zip(tables, missing, strict=True)):
             if count:
                 taken = [self._take_free(index) for _ in range(count)]
@@ -319,10 +327,17 @@ class BlockManager:
                 self._drop(block, index)
         if seq.table_row >= 0:
             self.tables.free_row(seq.table_row, max(map(len, seq.block_tables)))
+            del self._holders[seq.table_row]
             seq.table_row = -1
         seq.block_tables = []
         seq.num_released_blocks = []
         seq.block_hashes = []
+
+    def _add_holder(self, seq: Sequence) -> None:
+        """`seq` takes its first blocks: a row of the host tables, and a place among the
+        holders whose tables `resize` rewrites."""
+        seq.table_row = self.tables.add_row()
+        self._holders[seq.table_row] = seq
 
     def _drop(self, block: int, group: int) -> None:
         self._refs[block] -= 1

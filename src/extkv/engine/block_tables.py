@@ -69,8 +69,11 @@ class HostBlockTables:
         new = np.fromiter(moves.values(), np.int64, len(moves))
         lookup = np.arange(max(int(old.max()), int(self.ids.max())) + 1, dtype=np.int32)
         lookup[old] = new
-        held = self.ids > 0  # 0 stays 0 (padding, or block 0, which never moves); -1 too
-        self.ids[held] = lookup[self.ids[held]]
+        # A move's source lies past the new end (>= 1): block 0 is never one, so 0 entries
+        # (padding or block 0) stay, and so do NO_BLOCK's -1. Only columns in use count.
+        ids = self.ids[:, :, : int(self.lengths.max())]
+        held = ids > 0
+        ids[held] = lookup[ids[held]]
 
     def gather(self, groups: slice, rows: np.ndarray) -> np.ndarray:
         """The tables of `rows` in `groups`, as (groups, len(rows), longest), 0-padded."""

@@ -114,7 +114,9 @@ class Scheduler:
         return None
 
     def schedule(self) -> StepPlan | None:
-        """The next step (None: nothing can run); valid until the next call."""
+        """The next step (None: nothing can run). It reads the block manager's tables, so
+        it is valid until the block manager changes them (the next `launched`, `update`,
+        `abort`, `resize` or call)."""
         cache = self.encoder_cache
         self._encode_budget = 0 if cache is None else cache.num_tokens
         step = self._schedule_prefill() or self._schedule_decode()
@@ -359,7 +361,7 @@ class Scheduler:
         while blocks.num_held_from(num_blocks) > blocks.num_free_below(num_blocks):
             self._preempt(next(s for s in reversed(self.running) if _holds_from(s, num_blocks)))
             preempted += 1
-        return blocks.resize(num_blocks, self.running), preempted
+        return blocks.resize(num_blocks), preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -138,6 +138,8 @@ def build_step_inputs(
     tokens[2, pending_rows] = np.fromiter(sources, np.int64, len(pending_rows))
     # Attention groups come first among the tables, their tables all of one length.
     rows = np.fromiter((r.table_row for r in requests), np.int64, num_seqs)
+    if num_seqs and rows.min() < 0:  # -1 would read the last row: another sequence's blocks
+        raise RuntimeError("a step's request holds no block tables (table_row -1)")
     if num_attention and num_seqs:
         tables = plan.block_tables.gather(slice(0, num_attention), rows)
         size = kv_plan.block_size
