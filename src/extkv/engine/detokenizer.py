@@ -35,6 +35,12 @@ class TextStream:
         self._prefix = 0  # window start: the context tokens
         self._read = 0  # tokens already turned into text
 
+    @property
+    def num_safe_chars(self) -> int:
+        """How much of `text` can no longer begin a stop string: what may be streamed
+        while more tokens can come."""
+        return max(len(self.text) - self.holdback, 0)
+
     def add(self, token_ids: list[int], finished: bool, search: bool = True) -> str:
         """Take a step's new tokens; return the text that is now safe to send. `search`
         off: the new text is not searched for stop strings (before min_tokens)."""
