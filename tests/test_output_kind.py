@@ -158,6 +158,7 @@ def test_delta_leaves_out_the_completions_with_nothing_new(llm: LLM) -> None:
 
 
 def test_final_only_gives_one_output_per_request(llm: LLM) -> None:
+    """Next to a CUMULATIVE and a DELTA request, which get theirs every step, and alone."""
     stop = stop_string(llm)
     kinds = [CUMULATIVE, FINAL_ONLY, DELTA]
     params = [
@@ -172,6 +173,10 @@ def test_final_only_gives_one_output_per_request(llm: LLM) -> None:
     assert content(outputs[1][0]) == content(cumulative[1][-1])  # finished, whole
     assert list(map(content, outputs[0])) == list(map(content, cumulative[0]))  # unchanged
     assert joined(outputs[2]) == cumulative[2][-1].outputs
+    # Only FINAL_ONLY requests, none watching its tokens: the step's finished-only path.
+    finals = stream(llm.engine, [replace(greedy(n), output_kind=FINAL_ONLY) for n in (9, 5, 7)])
+    whole = stream(llm.engine, [greedy(n) for n in (9, 5, 7)])
+    assert [list(map(content, o)) for o in finals] == [[content(w[-1])] for w in whole]
 
 
 @pytest.mark.parametrize("kind", [DELTA, FINAL_ONLY])
@@ -186,7 +191,7 @@ def test_generate_returns_whole_outputs_whatever_the_kind(
         llm.generate(prompt_token_ids=PROMPTS, sampling_params=p, use_tqdm=False)
         for p in (replace(params, output_kind=kind), params)
     ]
-    assert [list(map(content, o)) for o in outputs] == [list(map(content, outputs[1]))] * 2
+    assert list(map(content, outputs[0])) == list(map(content, outputs[1]))
 
 
 def test_delta_without_a_tokenizer_streams_token_ids(tmp_path: Path) -> None:
