@@ -520,6 +520,21 @@ def greedy(max_tokens: int, **options: object) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **options)
 
 
+def boundary_stop(tokenizer, tokens: list[int]) -> tuple[int, str, str]:
+    """(i, s, text): a 2-character `s` that first occurs across the end of token i, in
+    the decoded `text` of `tokens`."""
+    text = tokenizer.decode(tokens)
+    for i in range(1, len(tokens) - 1):
+        head = tokenizer.decode(tokens[: i + 1])
+        end = len(head)
+        if not text.startswith(head) or end < 1 or len(text) < end + 1:
+            continue
+        stop = text[end - 1 : end + 1]
+        if text.find(stop) == end - 1 and "\ufffd" not in stop and not stop.isspace():
+            return i, stop, text
+    raise AssertionError("no token boundary to test")
+
+
 def extkv_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """extkv's output token ids of each prompt."""
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -15,7 +15,7 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.engine.outputs import RequestOutput
-from helpers import greedy
+from helpers import boundary_stop, greedy
 
 SMALL = dict(
     dtype=torch.float32,
@@ -207,21 +207,6 @@ def test_stop_token_text_stays_out_unless_asked(llm: LLM) -> None:
     assert out.text == tokenizer.decode(free[:i])
     kept = replace(params, include_stop_str_in_output=True)
     assert run(llm, PROMPTS[:1], kept)[0].outputs[0].text == tokenizer.decode(free[: i + 1])
-
-
-def boundary_stop(tokenizer, tokens: list[int]) -> tuple[int, str, str]:
-    """(i, s, text): a 2-character `s` that first occurs across the end of token i, in
-    the decoded `text` of `tokens`."""
-    text = tokenizer.decode(tokens)
-    for i in range(1, len(tokens) - 1):
-        head = tokenizer.decode(tokens[: i + 1])
-        end = len(head)
-        if not text.startswith(head) or end < 1 or len(text) < end + 1:
-            continue
-        stop = text[end - 1 : end + 1]
-        if text.find(stop) == end - 1 and "\ufffd" not in stop and not stop.isspace():
-            return i, stop, text
-    raise AssertionError("no token boundary to test")
 
 
 def test_stop_strings_are_found_across_token_boundaries(llm: LLM) -> None:

@@ -7,7 +7,12 @@ import pytest
 
 import extkv
 from extkv.engine import outputs
-from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.sampling_params import RequestOutputKind, SamplingParams
+
+OUTPUT_KINDS = (
+    "output_kind must be one of RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, "
+    "RequestOutputKind.FINAL_ONLY; got "
+)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +35,9 @@ from extkv.engine.sampling_params import SamplingParams
         ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False"),
         ({"skip_special_tokens": None}, "skip_special_tokens must be True or False"),
+        ({"output_kind": 1}, OUTPUT_KINDS + "1"),  # vLLM's is an Enum, not an IntEnum
+        ({"output_kind": "DELTA"}, OUTPUT_KINDS + "'DELTA'"),
+        ({"output_kind": None}, OUTPUT_KINDS + "None"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_what_it_allows(
@@ -63,3 +71,16 @@ def test_logprob_is_exported_where_vllm_users_look() -> None:
     assert completion.logprobs is None and completion.stop_reason is None
     assert completion.finished()
     assert outputs.RequestOutput("r", None, [1]).prompt_logprobs is None
+
+
+def test_request_output_kind_is_vllms_and_exported_where_vllm_users_look() -> None:
+    assert extkv.RequestOutputKind is RequestOutputKind
+    assert [(k.name, k.value) for k in RequestOutputKind] == [
+        ("CUMULATIVE", 0),
+        ("DELTA", 1),
+        ("FINAL_ONLY", 2),
+    ]
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert (
+        SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA
+    )

@@ -12,6 +12,7 @@ import pytest
 import extkv
 from extkv import LLM, SamplingParams
 from extkv.serving import ServerSettings
+from helpers import boundary_stop
 from live_server import CHAT_TEMPLATE_FILE, KEY, MAX_MODEL_LEN, MODEL, PROMPT, Server
 
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
@@ -220,6 +221,71 @@ def test_seeded_n_equals_generate(server: Server, reference: LLM) -> None:
     assert len({tuple(c.token_ids) for c in got.choices}) == 3  # sampled apart
     assert got.usage.prompt_tokens == len(PROMPT)  # the prompt counts once
     assert got.usage.completion_tokens == 36
+
+
+def joined_stream(chunks: list) -> dict[int, dict]:
+    """Each choice's streamed chunks joined: text, token ids and logprobs in order, the
+    end from its last chunk."""
+    whole: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            got = whole.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": []})
+            got["text"] += c.text
+            got["token_ids"] += c.token_ids
+            got["logprobs"] += positions(c.logprobs)
+            got["end"] = (c.finish_reason, c.stop_reason)
+    return whole
+
+
+def as_joined(choice) -> dict:
+    """A non-streamed choice in joined_stream's shape."""
+    return {
+        "text": choice.text,
+        "token_ids": choice.token_ids,
+        "logprobs": positions(choice.logprobs),
+        "end": (choice.finish_reason, choice.stop_reason),
+    }
+
+
+def positions(logprobs) -> list[tuple]:
+    """A completions choice's logprobs, one (token, logprob, top) a position. Not the text
+    offsets: in a stream each chunk's start at the text shown so far (as vLLM's), and with
+    stop strings that holds back what could begin one."""
+    fields = (logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs)
+    return list(zip(*fields, strict=True))
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_chunks_join_to_the_whole_answer(
+    server: Server, reference: LLM, echo: bool
+) -> None:
+    """Two prompts, n = 2 choices each, logprobs, a stop string across two tokens (and the
+    prompt's logprobs in each choice's first chunk, with echo): each choice's chunks joined
+    are the non-streamed choice, and both hold LLM.generate's tokens and text (built whole,
+    not from the engine's deltas)."""
+    sampling = dict(temperature=0.5, seed=4, max_tokens=30)
+    [free] = generate(reference, PROMPT, **sampling)  # choice 0's tokens (its seed is 4)
+    stop = boundary_stop(reference.get_tokenizer(), free.token_ids)[1]
+    sampling["stop"] = [stop]
+    prompts = [PROMPT, [9, 8, 7, 300]]
+    body = dict(model=MODEL, prompt=prompts, n=2, logprobs=2, echo=echo, **sampling)
+    client = server.client()
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(**body, extra_body=extra)
+    streamed = joined_stream(client.completions.create(**body, stream=True, extra_body=extra))
+    assert streamed == {c.index: as_joined(c) for c in whole.choices}
+    ends = []
+    for choice in whole.choices:
+        want = generate(reference, prompts[choice.index // 2], n=2, **sampling, logprobs=2)[
+            choice.index % 2
+        ]
+        echoed = reference.get_tokenizer().decode(prompts[choice.index // 2]) if echo else ""
+        assert (choice.token_ids, choice.text) == (want.token_ids, echoed + want.text)
+        chosen = [want.logprobs[i][t].logprob for i, t in enumerate(want.token_ids)]
+        tail = choice.logprobs.token_logprobs[-len(chosen) :]
+        assert tail == pytest.approx(chosen, abs=1e-4)  # batched otherwise: float error
+        ends.append((choice.finish_reason, choice.stop_reason))
+    assert ends[0] == ("stop", stop)
 
 
 def ranked(candidates: dict) -> list:

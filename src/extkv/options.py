@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -159,8 +160,11 @@ class Choice(Kind):
     metavar = "CHOICE"
 
     def describe(self) -> str:
-        """The choices as their reprs, so that strings show quoted."""
-        return "one of " + ", ".join(map(repr, self.choices))
+        """The choices as their reprs, so that strings show quoted; an enum's members as
+        written in code (`Kind.NAME`), not as their reprs (`<Kind.NAME: 1>`)."""
+        return "one of " + ", ".join(
+            str(c) if isinstance(c, enum.Enum) else repr(c) for c in self.choices
+        )
 
     def accepts(self, value: object) -> bool:
         """Whether `value` is one of the choices (a bool choice only matches that bool)."""

@@ -1,4 +1,4 @@
-"""Text deltas from a growing list of tokens, with stop strings."""
+"""Text from a growing list of tokens, decoded as it grows, with stop strings."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ class TextStream:
     Each step decodes only a short window (the previous step's tokens as context,
     then the new ones), so a step costs O(1) however long the output grows, and a
     UTF-8 character split over byte-level tokens waits until it is whole. With stop
-    strings, the last `len(longest stop) - 1` characters are held back until they
-    can no longer begin a match, so streamed text never shows part of a stop string.
+    strings, the last `holdback` (`len(longest stop) - 1`) characters may still begin a
+    match: streamed text stops short of them, so it never shows part of a stop string.
     """
 
     def __init__(
@@ -31,15 +31,21 @@ class TextStream:
         self.stopped = False
         self.stop_reason: str | None = None  # the stop string that ended the text
         self._token_ids: list[int] = []
-        self._sent = 0  # characters of `text` already handed out
         self._prefix = 0  # window start: the context tokens
         self._read = 0  # tokens already turned into text
 
-    def add(self, token_ids: list[int], finished: bool, search: bool = True) -> str:
-        """Take a step's new tokens; return the text that is now safe to send. `search`
-        off: the new text is not searched for stop strings (before min_tokens)."""
+    @property
+    def num_safe_chars(self) -> int:
+        """How much of `text` can no longer begin a stop string: what may be streamed
+        while more tokens can come."""
+        return max(len(self.text) - self.holdback, 0)
+
+    def add(self, token_ids: list[int], finished: bool, search: bool = True) -> None:
+        """Take a step's new tokens (`finished`: the last ones, so an incomplete character
+        is decoded as it is). `search` off: the new text is not searched for stop strings
+        (before min_tokens)."""
         self._token_ids += token_ids
-        start = max(len(self.text) - self.holdback, 0)  # where a new match can begin
+        start = self.num_safe_chars  # where a new match can begin
         self.text += self._decode_new(flush=finished)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits and search:
@@ -47,12 +53,6 @@ class TextStream:
             self.text = self.text[: at + len(stop) if self.include_stop else at]
             self.stopped = True
             self.stop_reason = stop
-        end = len(self.text)
-        if not (finished or self.stopped):
-            end = max(end - self.holdback, self._sent)
-        delta = self.text[self._sent : end]
-        self._sent = end
-        return delta
 
     def _decode_new(self, flush: bool) -> str:
         if self.tokenizer is None:

@@ -115,6 +115,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}  # unfinished, by request id
         self._states: dict[str, RequestState] = {}  # the same, by each sequence's id
         self._num_watching = 0  # of them, those whose tokens need more than the scheduler
+        self._num_streaming = 0  # of them, those that want an output every step (not FINAL_ONLY)
         self._ids = itertools.count()
         self._in_flight: SampledTokens | None = None  # launched, tokens not read yet
         self._closed = False
@@ -321,6 +322,7 @@ class LLMEngine:
         state = RequestState(request_id, prompt, seqs, params, self.tokenizer)
         self._requests[request_id] = state
         self._num_watching += state.watches_tokens
+        self._num_streaming += not state.final_only
         for seq in seqs:
             self._states[seq.request_id] = state
             self.scheduler.add(seq)
@@ -364,6 +366,7 @@ class LLMEngine:
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.request_id]
         self._num_watching -= state.watches_tokens
+        self._num_streaming -= not state.final_only
         for c in state.completions:
             del self._states[c.seq.request_id]
 
@@ -375,8 +378,10 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Launch the next scheduled step and read the tokens of the one before (or of
         this one, without asynchronous scheduling); return an output for every request
-        that got a new token (`finished` tells which are done; only those carry text),
-        or with `finished_only` just for the finished ones (no per-step copies).
+        that got a new token, as its `output_kind` asks (`finished` tells which are done),
+        but for a FINAL_ONLY request only its final one; with `finished_only`, only the
+        finished requests' (no per-step work for the others). A DELTA request's final
+        output holds what no output held before: all of it when it had none.
 
         An error that only this step's requests met fails them (their outputs carry it,
         `finish_reason` "error") and the engine carries on; one that leaves the engine
@@ -423,7 +428,8 @@ class LLMEngine:
         tokens = launched.get()
         # Every request that took a token gets an output, or only those finished: when no
         # request watches its tokens, those are the requests of the sequences update ended.
-        every = not finished_only or self._num_watching > 0
+        streaming = not finished_only and self._num_streaming > 0
+        every = streaming or self._num_watching > 0
         took, advanced = self._advancing(launched) if every else ({}, {})
         ended = self.scheduler.update(launched.request_ids, tokens)
         if not every:
@@ -442,7 +448,7 @@ class LLMEngine:
                 if state.watches_tokens:
                     self._took_tokens(state, launched, took)
                 finished = state.finished
-                if finished or not finished_only:
+                if finished or (streaming and not state.final_only):
                     outputs.append(state.output())
             except Exception as e:  # e.g. detokenizing: this request's alone
                 failed += self._fail([state], e)

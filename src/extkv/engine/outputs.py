@@ -23,9 +23,10 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (`index` 0 to n - 1); `text` only once finished.
-    `stop_reason`: the stop string or stop token id that ended it (None for EOS, length
-    or still running); `logprobs` and `cumulative_logprob` only when asked for."""
+    """One completion of a request (`index` 0 to n - 1); `text` only once finished (in a
+    DELTA output: the new text, every output). `stop_reason`: the stop string or stop
+    token id that ended it (None for EOS, length or still running); `logprobs` and
+    `cumulative_logprob` (the total so far, in a DELTA output too) only when asked for."""
 
     index: int
     token_ids: list[int]
@@ -43,7 +44,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's progress as `step` reports it and its result as `generate` returns it:
-    one CompletionOutput per completion (SamplingParams.n), in index order."""
+    one CompletionOutput per completion (SamplingParams.n), in index order (in a DELTA
+    output, only those with something new; the prompt logprobs only in the first)."""
 
     request_id: str
     prompt: str | None

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
-from extkv.options import INT64_MAX, Bool, Custom, Float, Int, Texts, check_options, option
+from extkv.options import (
+    INT64_MAX,
+    Bool,
+    Choice,
+    Custom,
+    Float,
+    Int,
+    Texts,
+    check_options,
+    option,
+)
 
 FLOAT32_MAX = 3.4028234663852886e38
 # Below this temperature sampling is greedy (vLLM's rule): dividing logits by a tinier
@@ -40,6 +51,17 @@ def _logit_bias(value: object) -> dict[int, float] | None:
             f"got {value!r:.80}"
         )
     return {t: float(b) for t, b in value.items()}
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each RequestOutput of a request carries. CUMULATIVE: everything so far,
+    every step; DELTA: only what is new since the request's previous output, so that a
+    streamed output costs what the step added, not the whole answer again; FINAL_ONLY: one
+    output, once the request has ended."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,12 @@ class SamplingParams:
         None,
         "log-probabilities of the top k tokens at each prompt position (and of the prompt's)",
         Int(0, MAX_LOGPROBS, optional=True),
+        cli=False,
+    )
+    output_kind: RequestOutputKind = option(
+        RequestOutputKind.CUMULATIVE,
+        "what each output of the request carries: all so far, what is new, or only the final",
+        Choice(tuple(RequestOutputKind)),
         cli=False,
     )
 

@@ -3,10 +3,11 @@
 The engine is not thread-safe and its steps block, so exactly one thread owns it.
 Between steps it takes commands (add, abort, and `control`: a call on the engine
 such as a KV cache resize or sleep, at once or once no request is left) from a
-thread-safe inbox; after each step it hands every request's text delta to the
-event loop in one callback. Handlers never touch the engine: they `submit` and
-iterate the `RequestStream`, or await `control`. While idle it also wakes when the
-elastic KV cache policy may give memory back.
+thread-safe inbox; after each step it hands every request's delta (the engine's own:
+its requests ask for DELTA outputs, so a step costs what it added, however long the
+answers grew) to the event loop in one callback. Handlers never touch the engine: they
+`submit` and iterate the `RequestStream`, or await `control`. While idle it also wakes
+when the elastic KV cache policy may give memory back.
 
 A request whose step failed ends with `RequestFailedError` and the others carry on;
 an error the engine cannot recover from (`EngineDeadError`, or any error escaping a
@@ -27,7 +28,6 @@ from typing import Any
 
 import torch
 
-from extkv.engine.detokenizer import TextStream
 from extkv.engine.errors import (
     EngineAsleepError,
     EngineDeadError,
@@ -37,7 +37,7 @@ from extkv.engine.errors import (
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.multimodal import ImageInput
 from extkv.engine.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
-from extkv.engine.sampling_params import SamplingParams
+from extkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from extkv.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,7 @@ class _Choice:
     """One completion of an engine request as the engine thread tracks it."""
 
     index: int  # in the response
-    text: TextStream  # holds back what could still be the start of a stop string
     num_output_tokens: int = 0
-    num_sent_chars: int = 0  # of the text
     finished: bool = False
 
 
@@ -148,6 +146,9 @@ class _Live:
     arrival: float
     images: list[ImageInput]
     last_token_at: float | None = None
+    # With prompt logprobs: the engine's first output carries them, each choice's first
+    # delta shows them.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def unfinished(self) -> int:
         """How many of its choices have not ended yet."""
@@ -253,18 +254,8 @@ class AsyncEngine:
         stream = RequestStream(ids, num_choices, self._inbox.put)
         now = time.monotonic()
         for engine_id, request in zip(ids, requests, strict=True):
-            params = request.params
-            choices = [
-                _Choice(
-                    request.first_index + j,
-                    TextStream(
-                        self.engine.tokenizer,
-                        params.stop,
-                        skip_special_tokens=params.skip_special_tokens,
-                    ),
-                )
-                for j in range(params.n)
-            ]
+            params = replace(request.params, output_kind=RequestOutputKind.DELTA)
+            choices = [_Choice(request.first_index + j) for j in range(params.n)]
             live = _Live(
                 engine_id, stream, request.prompt_token_ids, params, choices, now, request.images
             )
@@ -417,33 +408,25 @@ class AsyncEngine:
         self._post(items)
 
     def _choice_deltas(self, live: _Live, output: RequestOutput, now: float) -> list[Delta]:
-        """What each unfinished choice gained in this step. Text streams as it is decoded,
-        less what could still start a stop string; a choice's last delta completes it
-        to the engine's own text (cut at the stop string the engine found), of which what
-        was sent is the start."""
+        """What each choice gained in this step: the engine's DELTA output, which has the
+        choices with something new (text as it is decoded, less what could still start a
+        stop string; a choice's last delta completes it to the engine's final text)."""
+        if output.prompt_logprobs is not None:
+            live.prompt_logprobs = output.prompt_logprobs
         deltas = []
         num_new = 0
         for completion in output.outputs:
             choice = live.choices[completion.index]
-            done = completion.finish_reason is not None
-            start = choice.num_output_tokens
-            new = completion.token_ids[start:]
-            if choice.finished or not (new or done):
-                continue
-            choice.num_output_tokens = len(completion.token_ids)
+            new = completion.token_ids
+            first = choice.num_output_tokens == 0
+            choice.num_output_tokens += len(new)
             num_new += len(new)
-            if done:
-                text = (completion.text or "")[choice.num_sent_chars :]
-            else:
-                text = choice.text.add(new, finished=False, search=False)
-            choice.num_sent_chars += len(text)
-            choice.finished = done
-            delta = self._delta(live, choice, text, new, completion.finish_reason)
+            choice.finished = completion.finish_reason is not None
+            delta = self._delta(live, choice, completion.text or "", new, completion.finish_reason)
             delta.stop_reason = completion.stop_reason
-            if completion.logprobs is not None:
-                delta.logprobs = completion.logprobs[start:]
-            if start == 0:
-                delta.prompt_logprobs = output.prompt_logprobs
+            delta.logprobs = completion.logprobs
+            if first:
+                delta.prompt_logprobs = live.prompt_logprobs
             deltas.append(delta)
         self._observe_latency(live, now, num_new)
         return deltas
