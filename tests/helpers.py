@@ -515,6 +515,17 @@ def prompts_growing_by(step: int, n: int, vocab: int) -> list[list[int]]:
     ]
 
 
+# A small fp32 CPU engine and prompts of three lengths, for the sampling and output tests.
+SAMPLING_ENGINE = dict(
+    dtype=torch.float32,
+    cpu_memory_budget_bytes=128 << 20,
+    max_model_len=256,
+    max_num_batched_tokens=256,
+    max_num_seqs=8,
+)
+SAMPLING_PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 71)), [17] * 3]
+
+
 def greedy(max_tokens: int, **options: object) -> SamplingParams:
     """Greedy decoding of `max_tokens` tokens (EOS ignored), with any other `options`."""
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **options)

@@ -10,22 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from extkv import LLM, RequestOutputKind, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.llm_engine import LLMEngine
 from extkv.engine.outputs import CompletionOutput, RequestOutput
+from helpers import SAMPLING_ENGINE as SMALL
+from helpers import SAMPLING_PROMPTS as PROMPTS
 from helpers import boundary_stop, greedy
 
-SMALL = dict(
-    dtype=torch.float32,
-    cpu_memory_budget_bytes=128 << 20,
-    max_model_len=256,
-    max_num_batched_tokens=256,
-    max_num_seqs=8,
-)
-PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 71)), [17] * 3]
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind
 EOS = 0  # the random checkpoint's EOS, a special token of its tokenizer
 

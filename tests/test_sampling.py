@@ -15,16 +15,10 @@ import transformers
 
 from extkv import LLM, SamplingParams
 from extkv.engine.outputs import RequestOutput
+from helpers import SAMPLING_ENGINE as SMALL
+from helpers import SAMPLING_PROMPTS as PROMPTS
 from helpers import boundary_stop, greedy
 
-SMALL = dict(
-    dtype=torch.float32,
-    cpu_memory_budget_bytes=128 << 20,
-    max_model_len=256,
-    max_num_batched_tokens=256,
-    max_num_seqs=8,
-)
-PROMPTS = [[5, 6, 7, 8, 9, 100, 200], list(range(30, 71)), [17] * 3]
 EOS = 0  # the random checkpoint's EOS, a special token of its tokenizer
 ATOL = 1e-4
 
