@@ -327,6 +327,33 @@ def test_shrinking_past_held_blocks_without_room_is_refused() -> None:
     assert manager.resize(3) == {} and manager.num_used_blocks == 3
 
 
+# ---------------------------------------------------------------- host tables
+
+
+def test_host_tables_grow_in_rows_and_columns_keeping_what_they_hold() -> None:
+    """More holders than rows and tables longer than the columns: the array doubles and
+    every row still mirrors its lists; a freed row is zero and taken again."""
+    manager = BlockManager(400, HYBRID)  # an attention group and a state group
+    start_rows, start_columns = manager.tables.ids.shape[1:]
+    seqs = [make_seq([i] * 4, str(i)) for i in range(start_rows + 3)]
+    for seq in seqs:
+        manager.allocate(seq, 4)
+    long = seqs[0]
+    manager.allocate(long, 4 * (start_columns + 5))  # block size 4: 21 entries
+    ids, lengths = manager.tables.ids, manager.tables.lengths
+    assert ids.shape[1] > start_rows and ids.shape[2] > start_columns
+    for seq in seqs:
+        for group, entries in enumerate(seq.block_tables):
+            assert lengths[group, seq.table_row] == len(entries)
+            assert ids[group, seq.table_row, : len(entries)].tolist() == entries
+    row = long.table_row
+    manager.free(long)
+    assert not ids[:, row].any() and not lengths[:, row].any()
+    again = make_seq([7] * 4, "again")
+    manager.allocate(again, 4)
+    assert again.table_row == row
+
+
 # ---------------------------------------------------------------- random runs
 
 
