@@ -84,3 +84,12 @@ def test_request_output_kind_is_vllms_and_exported_where_vllm_users_look() -> No
     assert (
         SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA
     )
+
+
+def test_needs_context_is_penalties_or_min_tokens() -> None:
+    """A decode samples from its token alone unless penalties (its tokens) or min_tokens
+    (its length) apply; logprobs and a bias need neither."""
+    assert not SamplingParams(logprobs=2, logit_bias={1: 1.0}).needs_context
+    assert SamplingParams(min_tokens=1, max_tokens=4).needs_context
+    assert SamplingParams(presence_penalty=0.5).needs_context
+    assert SamplingParams(repetition_penalty=1.1).needs_context

@@ -109,12 +109,7 @@ def distinct_params(params: list[SamplingParams]) -> Collection[SamplingParams]:
 def _adjusts(params: SamplingParams) -> bool:
     """Whether rows of `params` change their logits (bias, banned tokens before min_tokens,
     penalties) or return logprobs."""
-    return (
-        params.logprobs is not None
-        or bool(params.logit_bias)
-        or params.min_tokens > 0
-        or params.has_penalties
-    )
+    return params.logprobs is not None or bool(params.logit_bias) or params.needs_context
 
 
 def _add_penalties(

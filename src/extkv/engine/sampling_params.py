@@ -167,3 +167,9 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_context(self) -> bool:
+        """Whether a decode step's sampling needs more of the request than its token: its
+        tokens (penalties) or its length (`min_tokens` bans the ending tokens until then)."""
+        return self.min_tokens > 0 or self.has_penalties

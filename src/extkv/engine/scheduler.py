@@ -94,7 +94,7 @@ class Scheduler:
         seq.max_length = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.end_ids = eos.union(params.stop_token_ids)
-        seq.plain_decode = not (params.min_tokens or params.has_penalties)
+        seq.plain_decode = not params.needs_context
         self.waiting.append(seq)
         self._requests[seq.request_id] = seq
 
