@@ -3,6 +3,7 @@ extensible, preemption and chunked prefill change nothing, bad input is refused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from extkv import LLM, SamplingParams
 from extkv.demo import make_random_checkpoint
 from extkv.engine.config import EngineConfig
+from extkv.engine.model_runner import profile_lengths
 from helpers import extkv_tokens, hf_greedy
 
 SMALL = dict(cpu_memory_budget_bytes=256 << 20, max_model_len=256, max_num_batched_tokens=512)
@@ -90,6 +92,30 @@ def test_start_up_logs_each_phase_with_its_time(
     with safe_open(qwen3 / "model.safetensors", framework="pt") as checkpoint:
         tensors = len(checkpoint.keys())  # every one of them loaded
     assert f"Loading weights: 100%|██████████| {tensors}/{tensors} " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, 3])
+def test_the_profile_cuts_the_most_chunks_a_step_can(chunk: int | None) -> None:
+    """Every way to spread `total` tokens over the sequences (each 1..max_len): the
+    profile's spread cuts the most Mamba chunks of any, at the longest chunk length a
+    step can have; without Mamba layers it is the even one."""
+    for total, num_seqs, max_len in itertools.product(range(1, 10), range(1, 4), range(1, 7)):
+        if not num_seqs <= total <= num_seqs * max_len:
+            continue
+        lengths = profile_lengths(total, num_seqs, max_len, chunk)
+        assert sum(lengths) == total and len(lengths) == num_seqs
+        assert all(1 <= n <= max_len for n in lengths)
+        if chunk is None:
+            assert max(lengths) - min(lengths) <= 1
+            continue
+        spreads = [
+            spread
+            for spread in itertools.product(range(1, max_len + 1), repeat=num_seqs)
+            if sum(spread) == total
+        ]
+        cut = lambda spread: sum(-(-n // chunk) for n in spread)  # noqa: E731
+        assert cut(lengths) == max(map(cut, spreads))
+        assert max(lengths) == max(max(s) for s in spreads if cut(s) == cut(lengths))
 
 
 def test_cpu_steps_default_to_2048_tokens(qwen3: Path) -> None:

@@ -66,6 +66,28 @@ def cache_layers(
     return attention, mixers
 
 
+def profile_lengths(total: int, num_seqs: int, max_len: int, chunk: int | None) -> list[int]:
+    """The sequence lengths of the profiling step: `total` tokens over `num_seqs`
+    sequences of at most `max_len`, spread evenly; for a model with Mamba layers
+    (`chunk`: the longest chunk their scan cuts), the spread a step can form that cuts
+    the most chunks, the longest ones: a token each, then whole chunks to one sequence
+    after another. The scan's per-chunk buffers grow with both (an even spread of 8192
+    tokens over 256 sequences cuts 256 chunks of 32 tokens; this one 287 of 256)."""
+    if chunk is None:
+        return [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
+    lengths = [1] * num_seqs
+    left = total - num_seqs
+    for i in range(num_seqs):  # whole chunks after each one's first token, while they fit
+        whole = min((max_len - 1) // chunk, left // chunk) * chunk
+        lengths[i] += whole
+        left -= whole
+    for i in range(num_seqs):  # what is left cuts no chunk more: wherever it fits
+        more = min(max_len - lengths[i], left)
+        lengths[i] += more
+        left -= more
+    return lengths
+
+
 def make_kv_cache_plan(model: nn.Module, config: EngineConfig) -> KVCachePlan:
     """The KV cache plan of `model` under `config` (see extkv.kv_cache.plan)."""
     attention, mixers = cache_layers(model)
@@ -210,19 +232,26 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> Profile:
         """Run the largest step the scheduler can form (max_num_batched_tokens tokens over
-        up to max_num_seqs prompts) and measure its peak activation memory. With images,
-        the encoder cache is reserved whole first, the largest image batch the budget
-        allows is encoded into it, and the step runs on embeddings taken from it."""
+        up to max_num_seqs prompts, see profile_lengths) and measure its peak activation
+        memory. With images, the encoder cache is reserved whole first, the largest image
+        batch the budget allows is encoded into it, and the step runs on embeddings taken
+        from it."""
         cfg = self.config
         # As many sequences as a step may sample from, none longer than max_model_len.
         num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         total = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
-        lengths = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
+        chunk = max((m.dims.chunk_size for m in self.mixers.values()), default=None)
+        lengths = profile_lengths(total, num_seqs, cfg.max_model_len, chunk)
         groups = len(self.kv_plan.attention_groups)
         context = ForwardContext.packed_prefill(lengths, self.device, groups)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
-        logger.info("Profiling memory: one step of %d tokens over %d sequences.", total, num_seqs)
+        logger.info(
+            "Profiling memory: one step of %d tokens over %d sequences (the longest %d).",
+            total,
+            num_seqs,
+            max(lengths),
+        )
         profile = Profile(0)
         reserved = self._reserve_encoder_cache(profile)
         before = self._memory_high_water_mark(reset=True)
