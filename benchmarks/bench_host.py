@@ -43,15 +43,12 @@ process, and the tables show both with after/before ratios.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from _common import Column, Rows, benchmark_parser, measure_and_report, random_checkpoint
-from bench_step import run_prefill, stepper
+from bench_step import GraphTimer, run_prefill, stepper
 from extkv import LLM, SamplingParams
 
 logger = logging.getLogger("bench_host")
@@ -78,39 +75,6 @@ SMOKE = Setting(batch_sizes=(1, 4), warmup=2, steps=4, repeats=2)
 def checkpoint():
     """A random 1-layer checkpoint of the demo's size: the model's compute stays small."""
     return random_checkpoint("/tmp/extkv-bench/host-1layer", "qwen3", num_hidden_layers=1)
-
-
-class GraphTimer:
-    """Seconds spent in `graphs.run` (the decode graph's replay, or its eager body off
-    CUDA) and its calls, while `active()` runs: a wrapper set on the instance (it
-    shadows the class's method) and removed after. With `skip_body` only the first
-    call runs the body."""
-
-    def __init__(self, graphs, skip_body: bool = False) -> None:
-        self.graphs = graphs
-        self.skip_body = skip_body
-        self.seconds = 0.0
-        self.calls = 0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[GraphTimer]:
-        run = self.graphs.run
-
-        @functools.wraps(run)
-        def timed_run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                if not (self.skip_body and self.calls):
-                    return run(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
-
-        self.graphs.run = timed_run
-        try:
-            yield self
-        finally:
-            del self.graphs.run
 
 
 def host_figures(llm: LLM, batch: int, vocab: int, setting: Setting, args) -> dict[str, float]:

@@ -21,6 +21,9 @@ then the figures come from steady decode only (--smoke: fewer steps of everythin
   `cpu` of CUDA tensors, all timed while the steps run. It is the host's own work of a
   step (scheduling, inputs, launches, bookkeeping); a wait the engine makes some other
   way counts as host time, which `syncs` would show.
+- launch ms: the part of host ms inside the decode graph's launch (`graphs.run`, the
+  replay: a few microseconds, unless the device's launch queue is full and the launch
+  waits for room, a wait no sync call shows; on the CPU, --smoke, the eager body).
 - gpu ms: the durations of the CUDA kernels that torch.profiler records over
   32 more steps (the device idle before and synchronised after them), summed
   and divided by the steps; `kernels` is their count per step, `syncs` the number of
@@ -70,6 +73,7 @@ COLUMNS: list[Column] = [
     ("wall_ms", "wall ms", ".3f"),
     ("gpu_ms", "gpu ms", ".3f"),
     ("host_ms", "host ms", ".3f"),
+    ("launch_ms", "launch ms", ".3f"),
     ("kernels", "kernels", ".1f"),
     ("syncs", "syncs", ".2f"),
     ("roof_ms", "roof ms", ".3f"),
@@ -133,6 +137,39 @@ class BlockedTimer:
                     setattr(owner, name, original)
 
 
+class GraphTimer:
+    """Seconds spent in `graphs.run` (the decode graph's replay, or its eager body off
+    CUDA) and its calls, while `active()` runs: a wrapper set on the instance (it
+    shadows the class's method) and removed after. With `skip_body` only the first
+    call runs the body."""
+
+    def __init__(self, graphs, skip_body: bool = False) -> None:
+        self.graphs = graphs
+        self.skip_body = skip_body
+        self.seconds = 0.0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[GraphTimer]:
+        run = self.graphs.run
+
+        @functools.wraps(run)
+        def timed_run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                if not (self.skip_body and self.calls):
+                    return run(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        self.graphs.run = timed_run
+        try:
+            yield self
+        finally:
+            del self.graphs.run
+
+
 def stepper(engine) -> Callable[[], object]:
     """One engine step as `LLM.generate` takes it (only finished outputs), where the
     engine's `step` has that option (an older tree may not)."""
@@ -165,13 +202,17 @@ def step_figures(
     prefill_steps = run_prefill(engine, request_ids)
     for _ in range(setting.warmup):
         step()
-    timer = BlockedTimer()
-    with timer.active():
+    timer, launches = BlockedTimer(), GraphTimer(engine.runner.graphs)
+    with timer.active(), launches.active():
         start = time.perf_counter()
         for _ in range(setting.timed):
             step()
         wall = (time.perf_counter() - start) / setting.timed
-    figures = {"wall_ms": wall * 1e3, "host_ms": (wall - timer.seconds / setting.timed) * 1e3}
+    figures = {
+        "wall_ms": wall * 1e3,
+        "host_ms": (wall - timer.seconds / setting.timed) * 1e3,
+        "launch_ms": launches.seconds / setting.timed * 1e3,
+    }
     figures |= profile_kernels(step, setting.profiled, top)
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
