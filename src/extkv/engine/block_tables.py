@@ -67,11 +67,11 @@ class HostBlockTables:
             return
         old = np.fromiter(moves.keys(), np.int64, len(moves))
         new = np.fromiter(moves.values(), np.int64, len(moves))
-        lookup = np.arange(max(int(old.max()), int(self.ids.max())) + 1, dtype=np.int32)
-        lookup[old] = new
         # A move's source lies past the new end (>= 1): block 0 is never one, so 0 entries
         # (padding or block 0) stay, and so do NO_BLOCK's -1. Only columns in use count.
         ids = self.ids[:, :, : int(self.lengths.max())]
+        lookup = np.arange(max(int(old.max()), int(ids.max(initial=0))) + 1, dtype=np.int32)
+        lookup[old] = new
         held = ids > 0
         ids[held] = lookup[ids[held]]
 
