@@ -26,7 +26,9 @@ import torch
 from extkv.attention import Attention, AttentionMetadata, ForwardContext, set_forward_context
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.kernels.activation import silu_and_mul
+from extkv.kernels.argmax import logits_and_argmax
 from extkv.kernels.norm import gated_rms_norm, rms_norm
+from extkv.kernels.pending_tokens import pending_tokens
 from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
 from extkv.models import load_model, reference
 from extkv.models.layers import RotaryEmbedding
@@ -151,6 +153,53 @@ def check_qk_norm_rope(case: RopeCase) -> None:
         assert_matches(out, ref)
 
 
+def check_logits_and_argmax(vocab: int, dtype: torch.dtype, device: str) -> None:
+    """The fp32 copy and torch.argmax's token, bit for bit, on rows that pick out its
+    rules: a tie across blocks and one inside a block (the first column wins), NaNs (the
+    first NaN wins), a row of -inf; twice, as a graph replays it."""
+    logits = (torch.randn(6, vocab + 3, device=device) * 4).to(dtype)[:, :vocab]
+    top = torch.finfo(dtype).max
+    logits[1, [vocab - 5, vocab // 2]] = top  # the same maximum in two blocks
+    logits[2, [7, 9]] = top  # twice in one block
+    logits[3, [vocab - 2, vocab // 3]] = float("nan")
+    logits[4] = float("-inf")
+    want = [vocab // 2, 7, vocab // 3, 0]  # rows 1-4's tokens
+    for _ in range(2):
+        out = torch.full((6, vocab), 7.0, device=device)
+        tokens = torch.full((6,), -1, dtype=torch.int64, device=device)
+        logits_and_argmax(logits, out, tokens)
+        torch.testing.assert_close(out, logits.float(), rtol=0, atol=0, equal_nan=True)
+        assert tokens.tolist() == logits.float().argmax(-1).tolist()
+        assert tokens[1:5].tolist() == want
+        logits, want = logits.flip(0), want[::-1]  # new rows for the counters' second use
+
+
+def check_pending_tokens(rows: int, device: str) -> None:
+    """Rows from the device's last tokens where their source is >= 0, staged ids elsewhere."""
+    gen = torch.Generator().manual_seed(rows)
+    input_ids = torch.randint(0, 1000, (rows,), generator=gen, dtype=torch.int32).to(device)
+    last_tokens = torch.randint(0, 1000, (rows + 3,), generator=gen, dtype=torch.int32).to(device)
+    sources = torch.randint(-1, rows + 3, (rows,), generator=gen, dtype=torch.int32).to(device)
+    want = torch.where(sources >= 0, last_tokens[sources.clamp(min=0).long()], input_ids)
+    assert torch.equal(pending_tokens(input_ids, sources, last_tokens), want)
+
+
+def test_pending_tokens_refuses_bad_inputs() -> None:
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"input_ids and sources must be one \(T,\) shape"):
+        pending_tokens(ids, torch.zeros(3, dtype=torch.int32), ids)
+    with pytest.raises(ValueError, match=r"last_tokens' dtype torch\.int64 must be input_ids'"):
+        pending_tokens(ids, ids, ids.long())
+
+
+def test_logits_and_argmax_refuses_bad_outputs() -> None:
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="out must be fp32"):
+        logits_and_argmax(logits, torch.empty(2, 10, dtype=torch.bfloat16), torch.empty(2))
+    with pytest.raises(ValueError, match=r"tokens must be integer of shape \(2,\)"):
+        logits_and_argmax(logits, torch.empty(2, 10), torch.empty(2))
+
+
 def test_bad_shapes_are_refused() -> None:
     cos_sin = rotary_table(32, 32, "cpu")
     qkv = torch.randn(3, 6 * 32 + 1)
@@ -181,6 +230,10 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
             *(partial(check_rms_norm, hidden, *on) for hidden in (1024, 100) for on in every),
             partial(check_rms_norm, 96, torch.bfloat16, "cpu", residual_dtype=torch.float32),
             *(partial(check_gated_rms_norm, 96, group, *on) for group in (96, 24) for on in every),
+        ],
+        "step": [
+            *(partial(check_logits_and_argmax, 10_000, *on) for on in every),
+            *(partial(check_pending_tokens, rows, "cpu") for rows in (1, 1500)),
         ],
         "silu_and_mul": [
             partial(check_silu_and_mul, inner, *on) for inner in (77, 1100) for on in every
@@ -224,7 +277,7 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
     }
 
 
-@pytest.mark.parametrize("kernels", ["norms", "silu_and_mul", "rotary"])
+@pytest.mark.parametrize("kernels", ["norms", "silu_and_mul", "rotary", "step"])
 def test_interpreted(kernels: str) -> None:
     env = os.environ | {"TRITON_INTERPRET": "1"}
     proc = subprocess.run(
@@ -340,6 +393,18 @@ def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
             model(ids, positions)
             torch.cuda.synchronize()
     return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_and_argmax_gpu(dtype: torch.dtype) -> None:
+    check_logits_and_argmax(151_936, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 256, 3000])
+def test_pending_tokens_gpu(rows: int) -> None:
+    check_pending_tokens(rows, "cuda")
 
 
 @pytest.mark.gpu

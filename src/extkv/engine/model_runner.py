@@ -50,7 +50,7 @@ from extkv.engine.step_plan import ScheduledRequest, StepPlan
 from extkv.engine.weight_memory import WeightMemory
 from extkv.kv_cache import KVCache
 from extkv.kv_cache.plan import KVCachePlan, plan_kv_cache
-from extkv.models import Mamba2Mixer
+from extkv.models import Mamba2Mixer, ops
 
 logger = logging.getLogger(__name__)
 
@@ -383,9 +383,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The forward pass over staged inputs; pending input tokens come from the device,
         the embeddings of `image_rows` from the encoder cache."""
-        sources = views.token_sources
-        pending = self.last_tokens[sources.clamp(min=0)]
-        input_ids = torch.where(sources >= 0, pending, views.input_ids)
+        input_ids = ops.pending_tokens(views.input_ids, views.token_sources, self.last_tokens)
         with set_forward_context(context):
             if not image_rows:
                 return self.model(input_ids, views.positions)
@@ -422,8 +420,7 @@ class ModelRunner:
         views = self.buffers.views(self._decode_shape(bs), 0)
         context = views.context(False, 1, self.config.max_model_len)
         logits = self.model.compute_logits(self._hidden(context, views))
-        self.logits[:bs] = logits
-        self.greedy_tokens[:bs] = logits.argmax(dim=-1)
+        ops.store_logits_and_argmax(logits, self.logits[:bs], self.greedy_tokens[:bs])
 
     def _uses_graph(self, inputs: StepInputs) -> bool:
         return (

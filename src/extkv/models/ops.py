@@ -1,4 +1,5 @@
-"""The models' fused ops, dispatched by device: Triton kernels on CUDA, torch on CPU.
+"""The models' fused ops, and those of the decode step around them (its input tokens,
+its logits and greedy tokens), dispatched by device: Triton kernels on CUDA, torch on CPU.
 
 Model code calls one function per fused op; the CPU path (extkv.models.reference)
 is also what the kernels are tested against.
@@ -117,6 +118,30 @@ def rms_norm_linear(
         return linear(rms_norm(x, norm_weight, eps), weight, bias), x
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     return linear(normed, weight, bias), residual
+
+
+def pending_tokens(
+    input_ids: torch.Tensor, sources: torch.Tensor, last_tokens: torch.Tensor
+) -> torch.Tensor:
+    """A step's input tokens: `last_tokens[sources]` where `sources` >= 0 (the previous
+    step's samples, still on the device), else the staged `input_ids`; one kernel on CUDA."""
+    if input_ids.is_cuda:
+        from extkv.kernels.pending_tokens import pending_tokens as pending_tokens_triton
+
+        return pending_tokens_triton(input_ids, sources, last_tokens)
+    return torch.where(sources >= 0, last_tokens[sources.clamp(min=0)], input_ids)
+
+
+def store_logits_and_argmax(logits: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor) -> None:
+    """out[:] = logits as fp32 and tokens[:] = their greedy tokens (torch.argmax's): one
+    kernel on CUDA, the decode graph's last, for torch's three; torch's on the CPU."""
+    if logits.is_cuda:
+        from extkv.kernels.argmax import logits_and_argmax
+
+        logits_and_argmax(logits, out, tokens)
+        return
+    out.copy_(logits)
+    tokens.copy_(logits.argmax(dim=-1))
 
 
 def _fused_moe() -> bool:
