@@ -28,7 +28,6 @@ from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.argmax import logits_and_argmax
 from extkv.kernels.norm import gated_rms_norm, rms_norm
-from extkv.kernels.paged_attention import paged_attention, rope_store_decode_attention
 from extkv.kernels.pending_tokens import pending_tokens
 from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
 from extkv.models import load_model, reference
@@ -145,53 +144,6 @@ def check_qk_norm_rope_store(
     assert_matches(cache.buf, expected.buf)
     if with_keys:
         assert_matches(keys, reference.qk_norm_rope(*args)[1])
-
-
-def check_rope_store_decode_attention(
-    layout: str,
-    case: RopeCase,
-    num_splits: int,
-    window: int | None = None,
-    block_size: int = 4,
-    longest: int = 61,
-) -> None:
-    """The decode attention that prepares its own q and K/V is the rotary kernel then the
-    attention, bit for bit: outputs and the whole cache buffer. The last row is padding
-    (slot -1, one token of block 0), whose output nobody reads."""
-    context_lens = [1, 7, longest // 2, longest, longest * 3 // 4, 1]
-    num_seqs = len(context_lens)
-    pages = [-(-n // block_size) for n in context_lens[:-1]]
-    num_blocks = sum(pages) + 3
-    blocks = (torch.randperm(num_blocks - 1)[: sum(pages)] + 1).split(pages)
-    tables = torch.zeros(num_seqs, max(pages) + 1, dtype=torch.int32)
-    slots = torch.full((num_seqs,), -1)
-    for s, (owned, n) in enumerate(zip(blocks, context_lens, strict=False)):
-        tables[s, : len(owned)] = owned
-        slots[s] = owned[(n - 1) // block_size] * block_size + (n - 1) % block_size
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=slots.to(case.device),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=case.device),
-        context_lens=lens.to(case.device),
-        block_tables=tables.to(case.device),
-        max_seqlen_q=1,
-        max_context_len=max(context_lens),
-    )
-    qkv, _, cos_sin, *heads_and_norms = case.inputs(num_seqs)
-    args = (qkv, (lens - 1).to(case.device), cos_sin, *heads_and_norms)
-    cache = Cache.random(
-        layout, num_blocks, block_size, case.num_kv_heads, case.head_dim, case.dtype, case.device
-    )
-    expected = cache.rebased(cache.buf.clone())
-    q = qk_norm_rope_store(*args, expected.k, expected.v, metadata.slot_mapping)
-    scale = case.head_dim**-0.5
-    want = paged_attention(
-        q, expected.k, expected.v, metadata, scale, None, num_splits, None, window
-    )
-    out = rope_store_decode_attention(*args, cache.k, cache.v, metadata, scale, window, num_splits)
-    assert torch.equal(out[:-1], want[:-1])
-    assert torch.equal(cache.buf, expected.buf)
 
 
 def check_qk_norm_rope(case: RopeCase) -> None:
@@ -315,20 +267,6 @@ def interpreter_checks() -> dict[str, list[Callable[[], None]]]:
                 "hybrid",
                 RopeCase(8, 8, 64, 32, False, torch.float16, "cpu"),
                 block_size=16,
-            ),
-            *(
-                partial(
-                    check_rope_store_decode_attention,
-                    layout,
-                    RopeCase(4, 2, 32, rotary, norm, dtype, "cpu"),
-                    splits,
-                    window,
-                )
-                for layout, rotary, norm, dtype, splits, window in (
-                    ("split", 32, True, torch.bfloat16, 4, None),
-                    ("block_major", 16, False, torch.float16, 1, None),
-                    ("hybrid", 32, True, torch.float32, 2, 9),
-                )
             ),
             *(
                 partial(check_qk_norm_rope, RopeCase(4, 2, 32, 16, norm, *on))
@@ -470,25 +408,15 @@ def test_pending_tokens_gpu(rows: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("num_splits", [1, 8])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_store_decode_attention_gpu(layout: str, num_splits: int, qk_norm: bool) -> None:
-    case = RopeCase(16, 8, 128, 128, qk_norm, torch.bfloat16, "cuda")
-    check_rope_store_decode_attention(layout, case, num_splits, block_size=16, longest=1500)
-    check_rope_store_decode_attention(layout, case, num_splits, 100, block_size=16, longest=700)
-
-
-@pytest.mark.gpu
 def test_decode_kernels_per_layer(tmp_path: Path) -> None:
-    """<= 6 kernels per decoder layer: qkv (norm + residual add fused in), attention
-    with q/k norm + rotary + KV store fused in (2: split-K and merge), o_proj, gate_up
-    (norm + add fused in), down (SiLU*mul fused in). Counted as the difference between
-    a 4- and a 2-layer model, so the embedding and final norm are left out."""
+    """<= 7 kernels per decoder layer: qkv (norm + residual add fused in), q/k norm +
+    rotary + KV store, attention (2: split-K and merge), o_proj, gate_up (norm + add
+    fused in), down (SiLU*mul fused in). Counted as the difference between a 4- and a
+    2-layer model, so the embedding and final norm are left out."""
     four, two = decode_step_kernels(tmp_path / "4", 4), decode_step_kernels(tmp_path / "2", 2)
     per_layer = (four.total() - two.total()) / 2
     print(f"\ndecode step: {per_layer:g} kernels per decoder layer")
-    assert per_layer <= 6, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
+    assert per_layer <= 7, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
 
 
 @dataclass

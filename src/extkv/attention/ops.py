@@ -56,9 +56,8 @@ def rope_store_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
-    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores,
-    inside the attention kernel for a decode step (a prefill with nothing cached attends
-    over its own K/V: `attends_own_kv`).
+    then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores
+    (and a prefill with nothing cached attends over its own K/V: `attends_own_kv`).
     On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
     back from the cache only the prefixes it continues (a whole prompt: nothing)."""
     prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
@@ -68,12 +67,6 @@ def rope_store_attention(
             from extkv.kernels.prefill_attention import rope_store_prefill_attention
 
             return rope_store_prefill_attention(
-                *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
-            )
-        if not metadata.is_prefill:
-            from extkv.kernels.paged_attention import rope_store_decode_attention
-
-            return rope_store_decode_attention(
                 *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
             )
         from extkv.kernels.rotary import qk_norm_rope_store

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from extkv.attention.metadata import AttentionMetadata
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
-from extkv.kernels.rotary import check_shapes, norm_rope
 
 _LOG2E = math.log2(math.e)
 
@@ -44,16 +43,9 @@ def _paged_attention_kernel(
     context_lens_ptr,
     cu_seqlens_q_ptr,
     key_bounds_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    slot_ptr,
     qk_scale,
     window,
     num_q_heads,
-    eps,
-    stride_cos_sin,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -79,16 +71,10 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UNMASKED_FIRST: tl.constexpr,
     KEY_BOUNDS: tl.constexpr,
-    PREPARE: tl.constexpr,
-    ROTARY_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
-    PREPARE (decode): q_ptr is the qkv projection's rows; the kernel norms and rotates
-    q (`norm_rope`), and the program whose keys end at the new token makes its K and V,
-    takes them in place of the cache's (not written yet) and writes them there.
     UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
     sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
     which measured faster there (two pipelined loops cost ~15% at batch 256).
@@ -119,17 +105,8 @@ def _paged_attention_kernel(
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
     io_mask = row_ok[:, None] & dim_ok[None, :]
-    if PREPARE:  # decode: one token per sequence, its position that of the context's end
-        position = tl.load(positions_ptr + q_start).to(tl.int64)
-        cos_sin_row = cos_sin_ptr + position * stride_cos_sin
-        q_row = q_ptr + (q_start + token).to(tl.int64)[:, None] * stride_qt
-        q = norm_rope(
-            q_row, cos_sin_row, q_norm_ptr, head[:, None], dim[None, :], io_mask, eps,
-            HEAD_DIM, ROTARY_DIM, HAS_NORM,
-        ).to(q_ptr.dtype.element_ty)  # fmt: skip
-    else:
-        q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-        q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
+    q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
 
     # This program's keys: its split's share of the context the tile's queries see (the
     # causal end; the window's start, `window` being the context's bound without one).
@@ -141,20 +118,6 @@ def _paged_attention_kernel(
     kv_lo = kv_begin + split * per_split
     kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
-    new_pos = -1  # the key position whose K/V this program takes from registers (none)
-    k_new = tl.zeros([1, HEAD_DIM_P2], k_ptr.dtype.element_ty)
-    v_new = tl.zeros([1, HEAD_DIM_P2], v_ptr.dtype.element_ty)
-    if PREPARE:  # noqa: SIM102 (a constexpr test apart from the runtime one, for Triton)
-        if (kv_lo < context_len) & (context_len <= kv_hi):
-            new_pos = context_len - 1
-            k_row = q_ptr + q_start.to(tl.int64) * stride_qt + num_q_heads * HEAD_DIM
-            new_ok = dim_ok[None, :]
-            k_new = norm_rope(
-                k_row, cos_sin_row, k_norm_ptr, kv_head, dim[None, :], new_ok, eps,
-                HEAD_DIM, ROTARY_DIM, HAS_NORM,
-            ).to(k_ptr.dtype.element_ty)  # fmt: skip
-            v_row = k_row + tl.num_programs(2) * HEAD_DIM + kv_head * HEAD_DIM
-            v_new = tl.load(v_row + dim[None, :], mask=new_ok, other=0.0).to(v_new.dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -174,17 +137,8 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
-                new_pos, k_new, v_new, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1, PREPARE,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
             )  # fmt: skip
-    if PREPARE:
-        # Padding rows (slot -1) leave their slot untouched.
-        slot = tl.load(slot_ptr + q_start).to(tl.int64)
-        if (new_pos >= 0) & (slot >= 0):
-            page, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            k_dst = k_ptr + page * stride_kb + offset * stride_ks + kv_head * stride_kh
-            v_dst = v_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh
-            tl.store(k_dst + dim[None, :] * stride_kd, k_new, mask=dim_ok[None, :])
-            tl.store(v_dst + dim[None, :] * stride_vd, v_new, mask=dim_ok[None, :])
 
     safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
     o = acc / safe_sum[:, None]
@@ -225,19 +179,14 @@ def _attend_tile(
     stride_vs,
     stride_vh,
     stride_vd,
-    new_pos,
-    k_new,
-    v_new,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
-    SUBSTITUTE: tl.constexpr,
 ):
     """One online-softmax step over the BLOCK_N keys from `start`, gathered through the
     sequence's block table row; MASKED applies the causal (up to `q_last`) and window
-    mask and the end of the range, which tiles wholly visible to every row do without.
-    SUBSTITUTE: the key at `new_pos` is `k_new`, `v_new` (1, D), not the cache's."""
+    mask and the end of the range, which tiles wholly visible to every row do without."""
     kv_pos = start + tl.arange(0, BLOCK_N)
     kv_ok = kv_pos < kv_hi
     page = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
@@ -245,9 +194,6 @@ def _attend_tile(
     kv_mask = kv_ok[:, None] & dim_ok[None, :]
     k_offs = page[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
     k = tl.load(k_ptr + k_offs + dim[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    if SUBSTITUTE:
-        is_new = (kv_pos == new_pos)[:, None]
-        k = tl.where(is_new, k_new, k)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (kv_pos[None, :] <= q_last[:, None]) & kv_ok[None, :]
@@ -261,8 +207,6 @@ def _attend_tile(
     row_sum = row_sum * alpha + tl.sum(p, 1)
     v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
     v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if SUBSTITUTE:
-        v = tl.where(is_new, v_new, v)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, row_sum, acc
 
@@ -379,54 +323,6 @@ def decode_splits(
     return splits
 
 
-@dataclass(frozen=True)
-class NewTokens:
-    """What a decode step's attention prepares itself from the qkv projection: each
-    sequence's q and new k normed (with weights) and rotated, its K/V written to `slots`."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    slots: torch.Tensor
-
-
-def rope_store_decode_attention(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """`qk_norm_rope_store` then the decode `paged_attention`, bit for bit, with the
-    preparation and the cache write inside the attention kernel: one kernel fewer per
-    layer. qkv (num_seqs, (Hq + 2 Hkv) * D), one new token per sequence; returns
-    (num_seqs, Hq, D). A padding row (slot -1) writes nothing and attends over its own
-    new key in place of the cache's, a row nobody reads."""
-    if metadata.is_prefill:
-        raise ValueError("rope_store_decode_attention is for decode steps (is_prefill=False)")
-    head_dim = k_cache.shape[-1]
-    check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
-    query = qkv[:, : num_q_heads * head_dim].unflatten(1, (num_q_heads, head_dim))
-    new = NewTokens(
-        positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, metadata.slot_mapping
-    )
-    out = qkv.new_empty(qkv.shape[0], num_q_heads, head_dim)
-    return paged_attention(
-        query, k_cache, v_cache, metadata, scale, out, num_splits, None, sliding_window, new
-    )
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -437,7 +333,6 @@ def paged_attention(
     num_splits: int | None = None,
     tiles: Tiles | None = None,
     sliding_window: int | None = None,
-    new: NewTokens | None = None,
 ) -> torch.Tensor:
     """query (T, Hq, D) over caches (num_blocks, block_size, Hkv, D) of any strides; with
     `sliding_window` W each query sees the keys of its last W positions only (the blocks
@@ -446,8 +341,7 @@ def paged_attention(
 
     `out` (T, Hq, D) is written if given; `num_splits` (a power of two) overrides
     the decode split count and `tiles` the launch shape (benchmarks/bench_attention.py
-    sweeps both). `new` (decode): query is the raw q of the qkv projection, prepared
-    in the kernel (`rope_store_decode_attention`).
+    sweeps both).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -488,12 +382,9 @@ def paged_attention(
         metadata.context_lens,
         metadata.cu_seqlens_q,
         metadata.context_lens if key_bounds is None else key_bounds,  # unread without
-        *_new_token_operands(new, query),
         scale * _LOG2E,
         sliding_window or NO_WINDOW,
         num_q_heads,
-        0.0 if new is None else new.eps,
-        0 if new is None else new.cos_sin_cache.stride(0),
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -509,9 +400,6 @@ def paged_attention(
         NUM_SPLITS=splits,
         UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
         KEY_BOUNDS=key_bounds is not None,
-        PREPARE=new is not None,
-        ROTARY_DIM=0 if new is None else new.cos_sin_cache.shape[1],
-        HAS_NORM=new is not None and new.q_norm_weight is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -530,17 +418,6 @@ def paged_attention(
             **pdl_launch(query.device),
         )
     return out
-
-
-def _new_token_operands(new: NewTokens | None, query: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernel's positions, cos/sin, q and k norm weights and slots (PREPARE); any
-    tensor in their place without (never read)."""
-    if new is None:
-        return (query,) * 5
-    q_norm, k_norm = new.q_norm_weight, new.k_norm_weight
-    if q_norm is None:
-        q_norm = k_norm = query
-    return new.positions, new.cos_sin_cache, q_norm, k_norm, new.slots
 
 
 def varlen_attention(

@@ -29,7 +29,7 @@ def _rounded(x, like_ptr):
 
 
 @triton.jit
-def norm_rope(
+def _norm_rope(
     row_ptr,
     cos_sin_ptr,
     weight_ptr,
@@ -41,11 +41,10 @@ def norm_rope(
     ROTARY_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile (this
-    kernel's and the decode attention's, which prepares its own q and new k).
+    """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile.
 
-        Rotate-half pairs channel d with d +- ROTARY_DIM / 2; the partner is loaded
-        (and normed) on its own, so no cross-lane shuffle is needed.
+    Rotate-half pairs channel d with d +- ROTARY_DIM / 2; the partner is loaded
+    (and normed) on its own, so no cross-lane shuffle is needed.
     """
     half = ROTARY_DIM // 2
     rotating = dim < ROTARY_DIM
@@ -119,7 +118,7 @@ def _qk_norm_rope_store_kernel(
     if tile < Q_TILES:
         head = tile * HEADS + rows
         live = (head < NUM_Q_HEADS) & (dim < HEAD_DIM)
-        q = norm_rope(
+        q = _norm_rope(
             row_ptr, cos_sin_row, q_weight_ptr, head, dim, live, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
         )
         q_dst = q_out_ptr + token * stride_qt + head * stride_qh + dim
@@ -128,7 +127,7 @@ def _qk_norm_rope_store_kernel(
         head = (tile - Q_TILES) * HEADS + rows
         live = (head < NUM_KV_HEADS) & (dim < HEAD_DIM)
         k_row = row_ptr + NUM_Q_HEADS * HEAD_DIM
-        k = norm_rope(
+        k = _norm_rope(
             k_row, cos_sin_row, k_weight_ptr, head, dim, live, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
         )
         if K_OUT:
@@ -146,7 +145,7 @@ def _qk_norm_rope_store_kernel(
             tl.store(v_dst + dim * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=live)
 
 
-def check_shapes(
+def _check_shapes(
     qkv: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
     if qkv.dim() != 2 or qkv.shape[1] != num_heads * head_dim or qkv.stride(1) != 1:
@@ -184,7 +183,7 @@ def qk_norm_rope_store(
     cos_sin_cache (max_position, rotary_dim): cos then sin of each frequency, fp32.
     """
     head_dim = k_cache.shape[-1]
-    check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
+    _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
     wanted = (num_tokens, num_kv_heads, head_dim)
     if keys is not None and (tuple(keys.shape) != wanted or keys.stride(2) != 1):
