@@ -42,9 +42,11 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -189,10 +191,11 @@ def run_prefill(engine, request_ids: set[str], limit: int = 100_000) -> int:
 
 
 def step_figures(
-    llm: LLM, batch: int, vocab: int, setting: Setting, top: int = 0
+    llm: LLM, batch: int, vocab: int, setting: Setting, top: int = 0, layers: int = 0
 ) -> dict[str, float]:
     """The figures of one batch size on `llm` (see the module's docstring); `top` > 0
-    logs that many of the kernels that take the most time."""
+    logs that many of the kernels that take the most time, `layers` (the model's decoder
+    layers) the layer table (`log_layer_table`)."""
     engine = llm.engine
     tokens = setting.warmup + setting.timed + setting.profiled + 8
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -214,12 +217,78 @@ def step_figures(
         "launch_ms": launches.seconds / setting.timed * 1e3,
     }
     figures |= profile_kernels(step, setting.profiled, top)
+    if layers and torch.cuda.is_available():
+        log_layer_table(one_step_kernels(step), layers)
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
     logger.info("batch %d: %d prefill steps", batch, prefill_steps)
     figures["tok_s"] = batch / wall
     figures["mean_context"] = setting.prompt_len + 1 + setting.warmup + setting.timed / 2
     return figures
+
+
+def one_step_kernels(step: Callable[[], object], steps: int = 8) -> list[dict]:
+    """The kernels (Chrome-trace events, in launch order) of the shortest of `steps`
+    profiled steps: steps are told apart by the idle gaps between them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    groups: list[list[dict]] = [[]]
+    for kernel in kernels:
+        last = groups[-1][-1] if groups[-1] else None
+        if last is not None and kernel["ts"] - (last["ts"] + last["dur"]) > _STEP_GAP_US:
+            groups.append([])
+        groups[-1].append(kernel)
+    return min(groups, key=len)
+
+
+_STEP_GAP_US = 20  # idle device time that separates two steps' kernels
+
+
+def log_layer_table(kernels: list[dict], num_layers: int) -> None:
+    """Log where a decoder layer's time goes: each kernel of a layer with its share of
+    the step's critical path, the time from the previous kernel's end to its own (with
+    PDL kernels overlap, so their durations do not add up; these do), averaged over the
+    layers but the first and last. A layer starts at the step's first GEMV (the decode
+    GEMV's batches only: up to 16 rows)."""
+    ends = [k["ts"] + k["dur"] for k in kernels]
+    shares = [ends[0] - kernels[0]["ts"], *(b - a for a, b in itertools.pairwise(ends))]
+    first = next((i for i, k in enumerate(kernels) if "gemv" in k["name"]), None)
+    if first is None:
+        logger.info("layer table: no GEMV kernel (a batch over 16 rows takes cuBLAS's)")
+        return
+    per_layer = (len(kernels) - first) // num_layers  # the layers' kernels, then the tail's
+    while per_layer > 1 and kernels[first + per_layer]["name"] != kernels[first]["name"]:
+        per_layer -= 1
+    inner = range(1, num_layers - 1)
+    last = first + num_layers * per_layer
+    logger.info(
+        "layer table: %d kernels a layer, %.2f us a layer; %.1f us before the first layer, "
+        "%.1f us after the last",
+        per_layer,
+        sum(ends[first + (i + 1) * per_layer - 1] - ends[first + i * per_layer - 1] for i in inner)
+        / len(inner),
+        ends[first - 1] - kernels[0]["ts"],
+        ends[-1] - ends[last - 1],
+    )
+    for role in range(per_layer):
+        kernel = kernels[first + role]
+        share = sum(shares[first + i * per_layer + role] for i in inner) / len(inner)
+        grid = kernel.get("args", {}).get("grid")
+        logger.info("layer  %6.2f us  grid %-14s %s", share, grid, kernel["name"][:60])
+    for kernel, share in zip(kernels[last:], shares[last:], strict=True):
+        logger.info(
+            "tail   %6.2f us  grid %-14s %s",
+            share,
+            kernel.get("args", {}).get("grid"),
+            kernel["name"][:60],
+        )
 
 
 def weights_bytes(llm: LLM, checkpoint: Path) -> int:
@@ -268,7 +337,10 @@ def measure(args) -> Rows:
         kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
         kv_per_token *= head_dim * dtype_bytes
         for batch in batches:
-            figures = step_figures(llm, batch, config["vocab_size"], setting, args.kernel_table)
+            layers = config["num_hidden_layers"] if args.layer_table else 0
+            figures = step_figures(
+                llm, batch, config["vocab_size"], setting, args.kernel_table, layers
+            )
             step_bytes = weights + batch * figures["mean_context"] * kv_per_token
             figures["roof_ms"] = step_bytes / bandwidth * 1e3
             figures["of_roof"] = figures["roof_ms"] / figures["wall_ms"]
@@ -292,6 +364,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--kernel-table", type=int, default=0, help="log the N costliest kernels (default 0: none)"
+    )
+    parser.add_argument(
+        "--layer-table",
+        action="store_true",
+        help="log each decoder-layer kernel's share of a step's critical path (CUDA only)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)

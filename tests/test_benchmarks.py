@@ -40,3 +40,33 @@ def test_smoke(name: str) -> None:
 def test_smollm2_smoke(smollm2_gguf: Path) -> None:
     """The real model, from the GGUF the tests use (skipped where it cannot be had)."""
     run_smoke("bench_smollm2.py", "--gguf", str(smollm2_gguf))
+
+
+def test_layer_table_adds_up_the_critical_path(caplog: pytest.LogCaptureFixture) -> None:
+    """bench_step's layer table on a made-up trace: 2 kernels before the layers, 4 layers of
+    3 kernels (the first a GEMV; the middle one overlapping the one before, as under PDL),
+    a 2-kernel tail. Each kernel's share is from the previous kernel's end to its own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_step
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    kernels, clock = [], 0.0
+    for name, start_after, duration in [
+        ("embed", 0, 1),
+        ("tokens", 1, 1),
+        *[("_gemv_kernel", 1, 4), ("_paged_attention", -2, 5), ("_merge", 0.5, 1)] * 4,
+        ("nvjet", 1, 20),
+        ("argmax", 1, 2),
+    ]:
+        kernels.append({"name": name, "ts": clock + start_after, "dur": duration})
+        clock = kernels[-1]["ts"] + duration
+    with caplog.at_level("INFO", logger="bench_step"):
+        bench_step.log_layer_table(kernels, 4)
+    lines = [r.getMessage() for r in caplog.records]
+    # A layer: gemv ends 5 after the merge, attention 3 after the gemv, merge 1.5 after.
+    assert "3 kernels a layer, 9.50 us a layer" in lines[0]
+    assert "3.0 us before the first layer, 24.0 us after the last" in lines[0]
+    assert [line.split(" us")[0].split()[-1] for line in lines[1:]] == [
+        "5.00", "3.00", "1.50", "21.00", "3.00"
+    ]  # fmt: skip
