@@ -217,8 +217,8 @@ def step_figures(
         "launch_ms": launches.seconds / setting.timed * 1e3,
     }
     figures |= profile_kernels(step, setting.profiled, top)
-    if layers and torch.cuda.is_available():
-        log_layer_table(one_step_kernels(step), layers)
+    if layers and torch.cuda.is_available() and (kernels := one_step_kernels(step)):
+        log_layer_table(kernels, layers)
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
     logger.info("batch %d: %d prefill steps", batch, prefill_steps)
@@ -227,9 +227,10 @@ def step_figures(
     return figures
 
 
-def one_step_kernels(step: Callable[[], object], steps: int = 8) -> list[dict]:
-    """The kernels (Chrome-trace events, in launch order) of the shortest of `steps`
-    profiled steps: steps are told apart by the idle gaps between them."""
+def one_step_kernels(step: Callable[[], object], steps: int = 8) -> list[dict] | None:
+    """The kernels (Chrome-trace events, in start order) of the last of `steps` profiled
+    steps, or None if the steps did not launch as many each (steady decode does). Steps
+    are counted, not told apart by idle gaps: with asynchronous scheduling there are none."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(steps):
             step()
@@ -239,16 +240,10 @@ def one_step_kernels(step: Callable[[], object], steps: int = 8) -> list[dict]:
         profiler.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text()).get("traceEvents", [])
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    groups: list[list[dict]] = [[]]
-    for kernel in kernels:
-        last = groups[-1][-1] if groups[-1] else None
-        if last is not None and kernel["ts"] - (last["ts"] + last["dur"]) > _STEP_GAP_US:
-            groups.append([])
-        groups[-1].append(kernel)
-    return min(groups, key=len)
-
-
-_STEP_GAP_US = 20  # idle device time that separates two steps' kernels
+    if not kernels or len(kernels) % steps:
+        logger.info("layer table: %d kernels in %d steps, not as many each", len(kernels), steps)
+        return None
+    return kernels[-len(kernels) // steps :]
 
 
 def log_layer_table(kernels: list[dict], num_layers: int) -> None:
