@@ -198,6 +198,7 @@ def step_figures(
     layers) the layer table (`log_layer_table`)."""
     engine = llm.engine
     tokens = setting.warmup + setting.timed + setting.profiled + 8
+    tokens += LAYER_TABLE_STEPS if layers else 0
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = random_prompts(batch, vocab, setting.prompt_len)
     request_ids = {engine.add_request(ids, params) for ids in prompts}
@@ -227,7 +228,12 @@ def step_figures(
     return figures
 
 
-def one_step_kernels(step: Callable[[], object], steps: int = 8) -> list[dict] | None:
+LAYER_TABLE_STEPS = 8  # steps profiled for the layer table
+
+
+def one_step_kernels(
+    step: Callable[[], object], steps: int = LAYER_TABLE_STEPS
+) -> list[dict] | None:
     """The kernels (Chrome-trace events, in start order) of the last of `steps` profiled
     steps, or None if the steps did not launch as many each (steady decode does). Steps
     are counted, not told apart by idle gaps: with asynchronous scheduling there are none."""
@@ -255,8 +261,8 @@ def log_layer_table(kernels: list[dict], num_layers: int) -> None:
     ends = [k["ts"] + k["dur"] for k in kernels]
     shares = [ends[0] - kernels[0]["ts"], *(b - a for a, b in itertools.pairwise(ends))]
     first = next((i for i, k in enumerate(kernels) if "gemv" in k["name"]), None)
-    if first is None:
-        logger.info("layer table: no GEMV kernel (a batch over 16 rows takes cuBLAS's)")
+    if first is None or num_layers < 3:
+        logger.info("layer table: none (it needs 3+ layers and the GEMV: batches of <= 16)")
         return
     per_layer = (len(kernels) - first) // num_layers  # the layers' kernels, then the tail's
     while per_layer > 1 and kernels[first + per_layer]["name"] != kernels[first]["name"]:
@@ -269,7 +275,7 @@ def log_layer_table(kernels: list[dict], num_layers: int) -> None:
         per_layer,
         sum(ends[first + (i + 1) * per_layer - 1] - ends[first + i * per_layer - 1] for i in inner)
         / len(inner),
-        ends[first - 1] - kernels[0]["ts"],
+        (ends[first - 1] if first else kernels[0]["ts"]) - kernels[0]["ts"],
         ends[-1] - ends[last - 1],
     )
     for role in range(per_layer):

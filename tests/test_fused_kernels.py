@@ -196,8 +196,12 @@ def test_logits_and_argmax_refuses_bad_outputs() -> None:
     logits = torch.randn(2, 10)
     with pytest.raises(ValueError, match="out must be fp32"):
         logits_and_argmax(logits, torch.empty(2, 10, dtype=torch.bfloat16), torch.empty(2))
-    with pytest.raises(ValueError, match=r"tokens must be integer of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"tokens must be contiguous integers of shape \(2,\)"):
         logits_and_argmax(logits, torch.empty(2, 10), torch.empty(2))
+    with pytest.raises(ValueError, match="tokens must be contiguous"):
+        logits_and_argmax(logits, torch.empty(2, 10), torch.empty(2, 2, dtype=torch.long)[:, 0])
+    with pytest.raises(ValueError, match="logits must be float32, bfloat16 or float16"):
+        logits_and_argmax(logits.double(), torch.empty(2, 10), torch.empty(2, dtype=torch.long))
 
 
 def test_bad_shapes_are_refused() -> None:

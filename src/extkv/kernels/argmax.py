@@ -77,18 +77,21 @@ def _logits_argmax_kernel(
 
 def logits_and_argmax(logits: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor) -> None:
     """out[:] = logits as fp32 and tokens[:] = logits.argmax(-1), for logits (rows, vocab)
-    in any float dtype, out (rows, vocab) fp32 and tokens (rows,) integer: bit for bit
+    of fp32, bf16 or fp16, out (rows, vocab) fp32 and tokens (rows,) integer: bit for bit
     what the copy and torch.argmax give. Allocates only the blocks' scratch, so it can be
     captured in a CUDA graph (after one call outside it, as every Triton kernel)."""
     rows, vocab = logits.shape
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if out.shape != logits.shape or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(
             f"out must be fp32 of logits' shape {tuple(logits.shape)} with contiguous rows, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    if tokens.shape != (rows,) or tokens.dtype.is_floating_point:
+    if tokens.shape != (rows,) or tokens.dtype.is_floating_point or tokens.stride(0) != 1:
         raise ValueError(
-            f"tokens must be integer of shape ({rows},), got {tokens.dtype} {tuple(tokens.shape)}"
+            f"tokens must be contiguous integers of shape ({rows},), got {tokens.dtype} "
+            f"{tuple(tokens.shape)}"
         )
     if logits.stride(1) != 1:
         raise ValueError("logits needs contiguous rows (stride(1) == 1)")
