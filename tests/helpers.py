@@ -558,7 +558,7 @@ def assert_nothing_leaked(llm: LLM) -> None:
     no granule mapped beyond what the committed blocks need."""
     blocks, cache = llm.engine.block_manager, llm.engine.kv_cache
     assert blocks.num_used_blocks == 0 and not any(blocks._refs)
-    assert len(blocks._free) == blocks.num_blocks == cache.num_blocks
+    assert blocks.num_free_blocks == blocks.num_blocks == cache.num_blocks
     assert cache.blocks_within(cache.committed_bytes) >= cache.num_blocks
     assert cache.blocks_within(cache.committed_bytes - 1) < cache.num_blocks
 

@@ -317,6 +317,20 @@ def test_resize_grows_and_shrinks_moving_held_blocks_and_their_cache() -> None:
     assert manager.resize(0) == {} and manager.cached_prefix(make_seq([*range(200, 212), 1])) == ()
 
 
+def test_a_grown_pool_hands_out_its_new_blocks_before_the_cached_ones() -> None:
+    """New blocks (a wake, the elastic policy's grow) hold nothing: they go before freed
+    blocks that still cache a prefix, as a fresh pool's blocks do."""
+    manager = BlockManager(2, ATTENTION, prefix_caching=True)
+    manager.free(computed(manager, list(range(8)), "a"))  # blocks 0 and 1, both cached
+    assert manager.resize(4) == {} and manager.num_free_blocks == 4
+    other = make_seq([9] * 8, "other")
+    manager.allocate(other, 8)
+    assert table(other) == [2, 3]
+    assert manager.cached_prefix(make_seq([*range(8), 1])) == ([0, 1],)
+    manager.allocate(other, 9)  # then the least recently freed: its prefix is gone
+    assert table(other) == [2, 3, 0] and manager.cached_prefix(make_seq([*range(8), 1])) == ()
+
+
 def test_shrinking_past_held_blocks_without_room_is_refused() -> None:
     manager = BlockManager(4, ATTENTION)
     a = computed(manager, list(range(12)))  # blocks 0-2

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from itertools import chain, compress, islice
+from operator import not_
 
 from extkv.engine.block_tables import HostBlockTables
 from extkv.engine.sequence import Sequence
@@ -66,12 +67,17 @@ class BlockManager:
         # Every attention group's table has one length (they all grow with the tokens):
         # one of them tells whether a sequence's tokens fit the blocks it holds.
         self._token_group = next((i for i, group in enumerate(groups) if group.per_token), None)
-        # Free blocks, least recently freed first: taken from the front, freed to the back.
+        # Free blocks are of two kinds. Blocks from `_fresh_from` on have never been handed
+        # out since the pool grew over them: they hold nothing, so they go first, and they
+        # are only a number, which makes a pool of 872k blocks (or a wake that grows it
+        # back) cost nothing to set up. The others, freed by a sequence, may still cache a
+        # prefix: least recently freed first, taken from the front, freed to the back.
         # An OrderedDict, not a dict: a dict leaves a dummy entry per key deleted at its
         # front, which every `next(iter(...))` steps over until the next resize, so each
         # take slowed down with the blocks taken before it (bench_block_pool, a pool of 872k
         # blocks: 76 us a block after 100k blocks had gone through, 352 us after 400k).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._fresh_from = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._used_by_group = [0] * len(groups)
         self._cached: dict[GroupKey, int] = {}
@@ -82,9 +88,14 @@ class BlockManager:
         self._holders: dict[int, Sequence] = {}  # every sequence holding blocks, by table row
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, whether or not they still cache content."""
+        return len(self._free) + self.num_blocks - self._fresh_from
+
+    @property
     def num_used_blocks(self) -> int:
         """Blocks some sequence holds now; free blocks that still cache content do not count."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_used_blocks_by_group(self) -> list[int]:
@@ -180,7 +191,7 @@ class BlockManager:
     def num_free_below(self, num_blocks: int) -> int:
         """Free blocks below `num_blocks`: where shrinking there can move blocks to."""
         past = max(self.num_blocks - num_blocks, 0)
-        return len(self._free) - (past - self.num_held_from(num_blocks))
+        return self.num_free_blocks - (past - self.num_held_from(num_blocks))
 
     def resize(self, num_blocks: int) -> dict[int, int]:
         """Make the pool `num_blocks` blocks; return {old: new} for every held block that
@@ -189,22 +200,22 @@ class BlockManager:
         and what they cached, are forgotten. Raises if the held blocks past the end
         outnumber the free ones below.
 
-        A sleep shrinks the whole pool to 0 and its wake grows it back: at 70k blocks
-        that took 15 ms and 176 ms (`OrderedDict.update` is slow on a dict emptied key by
-        key). So a grow sets its new keys one by one, a shrink's passes over the blocks
-        past the end run in C, and a shrink that frees most of the free blocks makes a
-        new OrderedDict of the rest."""
+        A sleep shrinks the whole pool to 0 and its wake grows it back, so both avoid
+        per-block Python work where they can: a grow only adds fresh blocks (a number), a
+        shrink's passes over the blocks past the end run in C, and a shrink that frees
+        most of the freed blocks makes a new OrderedDict of the rest (`OrderedDict` is
+        slow to empty key by key)."""
         if num_blocks >= self.num_blocks:
-            free = self._free
-            for block in range(self.num_blocks, num_blocks):  # not update(): see above
-                free[block] = None
             self._refs += [0] * (num_blocks - self.num_blocks)
             self.num_blocks = num_blocks
             return {}
         past = range(num_blocks, self.num_blocks)
         held_past = self._refs[num_blocks:]
         held = list(compress(past, held_past))
-        room = list(islice((b for b in self._free if b < num_blocks), len(held)))
+        # Where they go: fresh blocks below the end first (nothing cached to lose).
+        fresh_below = range(self._fresh_from, max(self._fresh_from, num_blocks))
+        freed_below = (b for b in self._free if b < num_blocks)
+        room = list(islice(chain(fresh_below, freed_below), len(held)))
         if len(held) > len(room):
             raise RuntimeError(
                 f"cannot shrink to {num_blocks} blocks: {len(held)} held past it, "
@@ -217,15 +228,21 @@ class BlockManager:
         for block in cached:
             if block >= num_blocks and not self._refs[block]:
                 self._forget(block)
-        free_past = len(past) - len(held)
-        if 2 * (free_past + len(room)) > len(self._free):  # most of them go: a new dict
-            taken, every = set(room), free_past + len(room) == len(self._free)
-            kept = () if every else (b for b in self._free if b < num_blocks and b not in taken)
-            self._free = OrderedDict.fromkeys(kept)
+        fresh_taken = min(len(room), len(fresh_below))
+        freed_room = room[fresh_taken:]
+        # The freed blocks past the end: past it and below the fresh ones, and not held
+        # (every held block is below the fresh ones).
+        freed_end = max(self._fresh_from, num_blocks)
+        gone = freed_end - num_blocks - len(held) + len(freed_room)
+        if 2 * gone > len(self._free):  # most of them go: a new dict
+            taken = set(freed_room)
+            kept = (b for b in self._free if b < num_blocks and b not in taken)
+            self._free = OrderedDict.fromkeys(kept if gone < len(self._free) else ())
         else:
-            unheld = [not refs for refs in held_past]
-            for block in chain(room, compress(past, unheld)):
+            unheld = map(not_, held_past[: freed_end - num_blocks])
+            for block in chain(freed_room, compress(range(num_blocks, freed_end), unheld)):
                 del self._free[block]
+        self._fresh_from = min(self._fresh_from + fresh_taken, num_blocks)
         moves = dict(zip(held, room, strict=True))
         for old, new in moves.items():
             self._forget(new)
@@ -267,7 +284,7 @@ class BlockManager:
         """Free blocks the pool lacks for `seq` (about to take the cached tables `reusing`,
         whose NO_BLOCK entries need no block either) to hold `num_tokens`: 0 when it fits."""
         missing = self.blocks_missing(seq, num_tokens)
-        free = len(self._free)
+        free = self.num_free_blocks
         if reusing:  # a decode's block (every few steps, for every request) reuses none
             missing -= sum(map(len, reusing))
             free -= sum(1 for table in reusing for b in table if b in self._free)
@@ -290,8 +307,8 @@ class BlockManager:
         tables = seq.block_tables or [[] for _ in self.groups]
         missing = self._missing(tables, num_tokens)  # counted once: the check, then the blocks
         needed = sum(missing)
-        if needed > len(self._free):
-            raise RuntimeError(f"{needed} blocks needed, {len(self._free)} free")
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"{needed} blocks needed, {self.num_free_blocks} free")
         if not seq.block_tables:
             seq.block_tables = tables
             seq.num_released_blocks = [0] * len(self.groups)
@@ -353,9 +370,14 @@ class BlockManager:
             self._used_by_group[group] += 1
 
     def _take_free(self, group: int) -> int:
-        """The least recently freed block, for `group`; whatever it held is forgotten."""
-        block = next(iter(self._free))
-        self._forget(block)
+        """A fresh block, else the least recently freed one (whatever it held is
+        forgotten), for `group`."""
+        if self._fresh_from < self.num_blocks:
+            block = self._fresh_from
+            self._fresh_from += 1
+        else:
+            block = next(iter(self._free))
+            self._forget(block)
         self._take(block, group)
         return block
 
