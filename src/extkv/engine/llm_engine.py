@@ -57,11 +57,13 @@ def _load_tokenizer(model: str):  # -> PreTrainedTokenizerBase | None
         os.path.exists(os.path.join(source.path, n)) for n in names
     ):
         return None
+    if source.gguf_file is not None:
+        from extkv.models.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(source.path, source.gguf_file)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        source.path, gguf_file=source.gguf_file, local_files_only=True
-    )
+    return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 
 
 class LLMEngine:

@@ -7,10 +7,12 @@ model is built on the meta device, so it costs no memory; the tensors then load
 into extkv's model through the same name matching as a safetensors checkpoint.
 
 That reader takes ~13 s for SmolLM2-135M on two CPU cores, most of it parsing the
-file's metadata and mapping names, not dequantizing. So the result is kept: a
-safetensors file in the cache folder (`$EXTKV_CACHE/gguf`), keyed by the .gguf file
-(path, size, modification time), the dtype and the versions of transformers and
-gguf, which later loads read in well under a second. `EXTKV_GGUF_CACHE=0` turns it off.
+file's metadata and mapping names, not dequantizing, and the config and the tokenizer
+parse the metadata again (~4 s each). So what they give is kept, in a folder of the
+cache (`$EXTKV_CACHE/gguf/<name>-<key>`, the key from the .gguf's path, size and
+modification time and the versions of transformers and gguf): the config and the
+tokenizer as `save_pretrained` writes them, and the weights as a safetensors file per
+dtype. Later loads read those. `EXTKV_GGUF_CACHE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ import importlib.util
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from extkv.models.smollm2 import cache_folder
 
@@ -42,37 +51,65 @@ def require_gguf() -> None:
         raise ImportError("loading a .gguf model needs the `gguf` package: pip install gguf")
 
 
+def gguf_config(folder: str, name: str) -> PretrainedConfig:
+    """The config of the GGUF file `name` in `folder`: the kept one, else parsed (and kept)."""
+    entry = cache_entry(os.path.join(folder, name))
+    if entry is not None and (entry / "config.json").is_file():
+        config = AutoConfig.from_pretrained(entry)
+        config._name_or_path = folder  # as parsed from the file, not the cache's folder
+        return config
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if entry is not None:
+        _keep(entry, config.save_pretrained, "config.json")
+    return config
+
+
+def gguf_tokenizer(folder: str, name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the GGUF file `name` in `folder`: the kept one, else parsed (and kept)."""
+    entry = cache_entry(os.path.join(folder, name))
+    if entry is not None and (entry / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(entry)
+        tokenizer.name_or_path = folder
+        return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if entry is not None:
+        _keep(entry, tokenizer.save_pretrained, "tokenizer_config.json")
+    return tokenizer
+
+
 def gguf_tensors(
     path: str, config: PretrainedConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the GGUF file `path` (config: its own) in `dtype`, on the CPU, by its
-    Hugging Face name; a tied output weight is absent, as in Hugging Face checkpoints. Read
-    from the cache where an earlier load left them (see the module's docstring)."""
-    cached = cached_weights_file(path, dtype)
-    if cached is not None and cached.is_file():
-        logger.info("Reading %s's weights, dequantized before, from %s.", _name(path), cached)
-        return load_file(cached)
+    Hugging Face name; a tied output weight is absent, as in Hugging Face checkpoints. The
+    kept ones where an earlier load left them."""
+    entry = cache_entry(path)
+    weights = f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    if entry is not None and (entry / weights).is_file():
+        logger.info("Reading %s's weights, dequantized before, from %s.", _name(path), entry)
+        return load_file(entry / weights)
     tensors = _dequantized(path, config, dtype)
-    if cached is not None:
-        _keep(tensors, cached)
+    if entry is not None:
+        contiguous = {name: t.contiguous() for name, t in tensors.items()}
+        _keep(entry, lambda folder: save_file(contiguous, Path(folder) / weights), weights)
     return tensors
 
 
-def cached_weights_file(path: str, dtype: torch.dtype) -> Path | None:
-    """Where the dequantized weights of `path` in `dtype` are kept; None with the cache off."""
+def cache_entry(path: str) -> Path | None:
+    """The cache folder of the GGUF file `path`; None with the cache off."""
     wanted = os.environ.get(CACHE_ENV, "1")
     if wanted not in ("0", "1"):
         raise ValueError(
-            f"{CACHE_ENV} must be 0 (dequantize every time) or 1 (keep the dequantized "
-            f"weights in $EXTKV_CACHE/gguf), got {wanted!r}"
+            f"{CACHE_ENV} must be 0 (parse the .gguf every time) or 1 (keep its config, "
+            f"tokenizer and dequantized weights in $EXTKV_CACHE/gguf), got {wanted!r}"
         )
     if wanted == "0":
         return None
     stat = os.stat(path)
     versions = transformers.__version__, importlib.metadata.version("gguf")
-    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{versions}"
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{versions}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_folder() / "gguf" / f"{Path(path).stem}-{digest}.safetensors"
+    return cache_folder() / "gguf" / f"{Path(path).stem}-{digest}"
 
 
 def _dequantized(
@@ -89,23 +126,21 @@ def _dequantized(
     return parsed["tensors"]
 
 
-def _keep(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """Write `tensors` to `file` whole or not at all (a temporary file renamed into place,
-    so a load never reads a half-written one); a failure only costs the next load time."""
+def _keep(entry: Path, write: Callable[[str], object], last: str) -> None:
+    """Put what `write(folder)` writes into `entry`, the file `last` (what a load looks
+    for) moved in after the others, so a load never finds it half written; a failure only
+    costs the next load time."""
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".tmp", delete=False) as tmp:
-            temporary = Path(tmp.name)
-        try:
-            save_file({name: t.contiguous() for name, t in tensors.items()}, temporary)
-            os.replace(temporary, file)
-        finally:
-            temporary.unlink(missing_ok=True)
+        entry.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=entry.parent) as scratch:
+            write(scratch)
+            files = sorted(os.listdir(scratch), key=lambda f: f == last)
+            for file in files:
+                os.replace(os.path.join(scratch, file), entry / file)
     except OSError as e:
-        logger.warning("Could not keep the dequantized weights in %s: %s", file, e)
+        logger.warning("Could not keep %s in %s: %s", last, entry, e)
         return
-    size = file.stat().st_size / 2**30
-    logger.info("Kept the dequantized weights in %s (%.2f GiB) for later loads.", file, size)
+    logger.info("Kept %s in %s for later loads.", last, entry)
 
 
 def _name(path: str) -> str:

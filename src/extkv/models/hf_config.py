@@ -38,9 +38,11 @@ class ModelSource:
 
     def config(self) -> PretrainedConfig:
         """The model's Hugging Face config, read from the folder or the GGUF file."""
-        return AutoConfig.from_pretrained(
-            self.path, gguf_file=self.gguf_file, local_files_only=True
-        )
+        if self.gguf_file is not None:
+            from extkv.models.gguf import gguf_config
+
+            return gguf_config(self.path, self.gguf_file)
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
 
 
 def _snapshot(repo_id: str) -> str:
