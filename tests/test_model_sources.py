@@ -304,6 +304,8 @@ def test_gguf_config_tokenizer_and_weights_are_kept(
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(gguf_package, "GGUFReader", CountedReader)
+    stale = tmp_path / "gguf" / f"{smollm2_gguf.stem}-{'0' * 16}"  # an older file's entry
+    stale.mkdir(parents=True)
     first = (gguf.gguf_config(folder, name), gguf.gguf_tokenizer(folder, name))
     weights = gguf.gguf_tensors(path, first[0], torch.float32)
     entry = gguf.cache_entry(path)
@@ -311,7 +313,7 @@ def test_gguf_config_tokenizer_and_weights_are_kept(
     assert {"config.json", "tokenizer_config.json", "weights-float32.safetensors"} <= {
         p.name for p in entry.iterdir()
     }
-    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no scratch left
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no scratch, no stale
     calls = len(parsed)
     assert calls >= 3  # the config, the tokenizer and the weights each parsed the file
     config, tokenizer = gguf.gguf_config(folder, name), gguf.gguf_tokenizer(folder, name)

@@ -17,11 +17,13 @@ dtype. Later loads read those. `EXTKV_GGUF_CACHE=0` turns it off.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -129,8 +131,14 @@ def _dequantized(
 def _keep(entry: Path, write: Callable[[str], object], last: str) -> None:
     """Put what `write(folder)` writes into `entry`, the file `last` (what a load looks
     for) moved in after the others, so a load never finds it half written; a failure only
-    costs the next load time."""
+    costs the next load time. A new entry replaces the file's older ones (same name,
+    another key): one entry per .gguf name, however often the file or the libraries
+    change."""
     try:
+        if not entry.exists():  # the same file's older entries (changed, or older versions)
+            for stale in entry.parent.glob(f"{glob.escape(entry.name.rsplit('-', 1)[0])}-*"):
+                if stale.is_dir() and len(stale.name) == len(entry.name):
+                    shutil.rmtree(stale, ignore_errors=True)
         entry.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=entry.parent) as scratch:
             write(scratch)
