@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import zipfile
 from contextlib import closing
@@ -330,9 +331,12 @@ def test_gguf_config_tokenizer_and_weights_are_kept(
     assert tokenizer.name_or_path == first[1].name_or_path
     assert weights.keys() == again.keys()
     assert all(torch.equal(weights[n], again[n]) for n in weights)
-    moved = tmp_path / "copy.gguf"
-    moved.symlink_to(smollm2_gguf)
-    assert gguf.cache_entry(str(moved)) != entry
+    linked = tmp_path / "link.gguf"
+    linked.symlink_to(smollm2_gguf)
+    assert gguf.cache_entry(str(linked)) == entry  # the same file
+    copied = tmp_path / "copy.gguf"
+    shutil.copy2(smollm2_gguf, copied)  # another file: another entry
+    assert gguf.cache_entry(str(copied)) != entry
     monkeypatch.setenv(gguf.CACHE_ENV, "0")
     assert gguf.cache_entry(path) is None
     monkeypatch.setenv(gguf.CACHE_ENV, "yes")

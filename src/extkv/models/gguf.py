@@ -107,11 +107,12 @@ def cache_entry(path: str) -> Path | None:
         )
     if wanted == "0":
         return None
-    stat = os.stat(path)
+    file = os.path.realpath(path)  # a link to the file shares its entry
+    stat = os.stat(file)
     versions = transformers.__version__, importlib.metadata.version("gguf")
-    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{versions}"
+    key = f"{file}|{stat.st_size}|{stat.st_mtime_ns}|{versions}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_folder() / "gguf" / f"{Path(path).stem}-{digest}"
+    return cache_folder() / "gguf" / f"{Path(file).stem}-{digest}"
 
 
 def _dequantized(
