@@ -149,7 +149,8 @@ def _keep(entry: Path, write: Callable[[str], object], last: str) -> None:
     except OSError as e:
         logger.warning("Could not keep %s in %s: %s", last, entry, e)
         return
-    logger.info("Kept %s in %s for later loads.", last, entry)
+    size = sum(f.stat().st_size for f in entry.iterdir()) / 2**30
+    logger.info("Kept %s in %s (%.2f GiB in all) for later loads.", last, entry, size)
 
 
 def _name(path: str) -> str:
