@@ -150,14 +150,16 @@ def random_prompts(batch: int, vocab: int, length: int, seed: int | None = None)
 
 
 def profile_kernels(fn: Callable[[], object], calls: int, top: int = 0) -> dict[str, float]:
-    """GPU ms (kernel durations summed), kernels and blocking CUDA runtime calls per
-    call of `fn`, over `calls` calls under torch.profiler (the device idle before and
-    synchronised after them, by a call not counted); read from its Chrome-trace export,
-    whose keys every torch version shares. NaN on the CPU. `top` > 0 logs the kernels
-    that took the most time (us per call, launches per call), to see where it goes."""
-    cuda = torch.cuda.is_available()
+    """`kernel_figures` of `calls` calls of `fn` (`trace_events`)."""
+    return kernel_figures(trace_events(fn, calls), calls, top)
+
+
+def trace_events(fn: Callable[[], object], calls: int) -> list[dict]:
+    """The events torch.profiler records over `calls` calls of `fn` (the device idle before
+    and synchronised after them, by a call not counted), read from its Chrome-trace export,
+    whose keys every torch version shares."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
+    if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     synchronize()
     with torch.profiler.profile(activities=activities) as profiler:
@@ -167,7 +169,14 @@ def profile_kernels(fn: Callable[[], object], calls: int, top: int = 0) -> dict[
     with tempfile.TemporaryDirectory() as scratch:
         trace = Path(scratch) / "trace.json"
         profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text()).get("traceEvents", [])
+        return json.loads(trace.read_text()).get("traceEvents", [])
+
+
+def kernel_figures(events: list[dict], calls: int, top: int = 0) -> dict[str, float]:
+    """GPU ms (kernel durations summed), kernels and blocking CUDA runtime calls per call,
+    from the `trace_events` of `calls` calls. NaN on the CPU. `top` > 0 logs the kernels
+    that took the most time (us per call, launches per call), to see where it goes."""
+    cuda = torch.cuda.is_available()
     if not cuda:
         return {"gpu_ms": math.nan, "kernels": math.nan, "syncs": math.nan}
     kernels = [e for e in events if e.get("cat") == "kernel"]

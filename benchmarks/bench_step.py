@@ -46,7 +46,6 @@ import itertools
 import json
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,12 +60,13 @@ from _common import (
     device_bandwidth,
     engine_options,
     gemma3_1b_checkpoint,
+    kernel_figures,
     measure_and_report,
-    profile_kernels,
     qwen3_0_6b_checkpoint,
     random_prompts,
     smollm2_135m_checkpoint,
     tiny_checkpoint,
+    trace_events,
 )
 from extkv import LLM, SamplingParams
 
@@ -198,7 +198,6 @@ def step_figures(
     layers) the layer table (`log_layer_table`)."""
     engine = llm.engine
     tokens = setting.warmup + setting.timed + setting.profiled + 8
-    tokens += LAYER_TABLE_STEPS if layers else 0
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = random_prompts(batch, vocab, setting.prompt_len)
     request_ids = {engine.add_request(ids, params) for ids in prompts}
@@ -217,9 +216,11 @@ def step_figures(
         "host_ms": (wall - timer.seconds / setting.timed) * 1e3,
         "launch_ms": launches.seconds / setting.timed * 1e3,
     }
-    figures |= profile_kernels(step, setting.profiled, top)
-    if layers and torch.cuda.is_available() and (kernels := one_step_kernels(step)):
-        log_layer_table(kernels, layers)
+    events = trace_events(step, setting.profiled)
+    figures |= kernel_figures(events, setting.profiled, top)
+    cuda = torch.cuda.is_available()
+    if layers and cuda and (kernels := last_step_kernels(events, setting.profiled)):
+        log_layer_table(kernels, layers)  # from the same steps as the figures above
     while engine.has_unfinished_requests():  # the requests run out in a few more steps
         step()
     logger.info("batch %d: %d prefill steps", batch, prefill_steps)
@@ -228,23 +229,11 @@ def step_figures(
     return figures
 
 
-LAYER_TABLE_STEPS = 8  # steps profiled for the layer table
-
-
-def one_step_kernels(
-    step: Callable[[], object], steps: int = LAYER_TABLE_STEPS
-) -> list[dict] | None:
-    """The kernels (Chrome-trace events, in start order) of the last of `steps` profiled
-    steps, or None if the steps did not launch as many each (steady decode does). Steps
-    are counted, not told apart by idle gaps: with asynchronous scheduling there are none."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as scratch:
-        trace = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text()).get("traceEvents", [])
+def last_step_kernels(events: list[dict], steps: int) -> list[dict] | None:
+    """The kernels (Chrome-trace events, in start order) of the last of `steps` steps'
+    `trace_events`, or None if the steps did not launch as many each (steady decode does).
+    Steps are counted, not told apart by idle gaps: with asynchronous scheduling there are
+    none."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels or len(kernels) % steps:
         logger.info("layer table: %d kernels in %d steps, not as many each", len(kernels), steps)
