@@ -9,8 +9,8 @@ into extkv's model through the same name matching as a safetensors checkpoint.
 That reader takes ~13 s for SmolLM2-135M on two CPU cores, most of it parsing the
 file's metadata and mapping names, not dequantizing, and the config and the tokenizer
 parse the metadata again (~4 s each). So what they give is kept, in a folder of the
-cache (`$EXTKV_CACHE/gguf/<name>-<key>`, the key from the .gguf's path, size and
-modification time and the versions of transformers and gguf): the config and the
+cache (`$EXTKV_CACHE/gguf/<name>-<key>`, the key from the .gguf's real path, size
+and modification time and the versions of transformers and gguf): the config and the
 tokenizer as `save_pretrained` writes them, and the weights as a safetensors file per
 dtype. Later loads read those. `EXTKV_GGUF_CACHE=0` turns it off.
 """
@@ -55,28 +55,27 @@ def require_gguf() -> None:
 
 def gguf_config(folder: str, name: str) -> PretrainedConfig:
     """The config of the GGUF file `name` in `folder`: the kept one, else parsed (and kept)."""
-    entry = cache_entry(os.path.join(folder, name))
-    if entry is not None and (entry / "config.json").is_file():
-        config = AutoConfig.from_pretrained(entry)
-        config._name_or_path = folder  # as parsed from the file, not the cache's folder
-        return config
-    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    if entry is not None:
-        _keep(entry, config.save_pretrained, "config.json")
-    return config
+    return _kept_or_parsed(AutoConfig, folder, name, "config.json")
 
 
 def gguf_tokenizer(folder: str, name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of the GGUF file `name` in `folder`: the kept one, else parsed (and kept)."""
+    return _kept_or_parsed(AutoTokenizer, folder, name, "tokenizer_config.json")
+
+
+def _kept_or_parsed(auto: type, folder: str, name: str, marker: str):
+    """`auto.from_pretrained` of the GGUF file: from its cache entry where `marker` (the
+    file `save_pretrained` writes that a load looks for) is there; else parsed from the
+    .gguf, then saved there."""
     entry = cache_entry(os.path.join(folder, name))
-    if entry is not None and (entry / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(entry)
-        tokenizer.name_or_path = folder
-        return tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if entry is not None and (entry / marker).is_file():
+        kept = auto.from_pretrained(entry)
+        kept.name_or_path = folder  # as parsed from the file, not the cache's folder
+        return kept
+    parsed = auto.from_pretrained(folder, gguf_file=name, local_files_only=True)
     if entry is not None:
-        _keep(entry, tokenizer.save_pretrained, "tokenizer_config.json")
-    return tokenizer
+        _keep(entry, parsed.save_pretrained, marker)
+    return parsed
 
 
 def gguf_tensors(
