@@ -7,6 +7,8 @@ import base64
 import inspect
 import io
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -254,6 +256,16 @@ def backport_interpreter_index_fix() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
+
+
+def run_interpreted(script: str, *args: str, timeout: float = 600) -> None:
+    """Run a test file as a script under the Triton interpreter (TRITON_INTERPRET=1, set
+    before Triton is imported, hence the subprocess); it must exit cleanly."""
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def interpreter_rounds_bf16_to_nearest() -> None:

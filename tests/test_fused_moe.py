@@ -11,9 +11,6 @@ Qwen3-30B-A3B's layer shape.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 
@@ -30,7 +27,11 @@ from extkv.kernels.fused_moe import (
     fused_experts,
 )
 from extkv.models import ops, reference
-from helpers import interpreter_dots_bf16_as_numbers, interpreter_rounds_bf16_to_nearest
+from helpers import (
+    interpreter_dots_bf16_as_numbers,
+    interpreter_rounds_bf16_to_nearest,
+    run_interpreted,
+)
 
 # Against the reference: fp32 differs by the order of sums; bf16 rounds every row as the
 # reference does, but sums a token's rows once in fp32 where the reference adds each into
@@ -253,11 +254,7 @@ def interpreter_checks() -> list[Callable[[], None]]:
 
 
 def test_interpreted() -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__, timeout=900)
 
 
 # ---------------------------------------------------------------- GPU

@@ -9,8 +9,6 @@ the compiled kernel on Qwen3-0.6B's decode shapes.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 
@@ -31,7 +29,11 @@ from extkv.kernels.gemv import (
 from extkv.kernels.norm import rms_norm
 from extkv.kernels.pdl import pdl_launch
 from extkv.models import ops
-from helpers import interpreter_dots_bf16_as_numbers, interpreter_rounds_bf16_to_nearest
+from helpers import (
+    interpreter_dots_bf16_as_numbers,
+    interpreter_rounds_bf16_to_nearest,
+    run_interpreted,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Against the fp32 sum: the output's one rounding (half an ulp) plus the sum's order.
@@ -256,11 +258,7 @@ def interpreter_checks() -> list[Callable[[], None]]:
 
 
 def test_interpreted() -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 # ---------------------------------------------------------------- GPU

@@ -7,8 +7,6 @@ pytest process (and its GPU tests) on compiled kernels.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from extkv.kernels.paged_attention import (
     varlen_attention,
 )
 from extkv.kernels.store_kv import store_kv
-from helpers import LAYOUTS, Cache, backport_interpreter_index_fix
+from helpers import LAYOUTS, Cache, backport_interpreter_index_fix, run_interpreted
 
 
 @dataclass
@@ -263,11 +261,7 @@ def test_tiles_fit_shared_memory() -> None:
 
 @pytest.mark.parametrize("kernel", ["store_kv", "prefill", "decode", "varlen", "window", "images"])
 def test_interpreted(kernel: str) -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__, kernel, timeout=300)
 
 
 # ---------------------------------------------------------------- GPU

@@ -62,10 +62,13 @@ class BambaDecoderLayer(nn.Module):
         """(MLP output, residual stream): the caller's next norm adds the two. Each
         sublayer applies its norm itself, fused into its first projection."""
         norm = self.input_layernorm
-        if self.is_attention:
-            hidden, residual = self.self_attn(hidden, residual, norm, positions, cos_sin_cache)
-        else:
-            hidden, residual = self.mamba(hidden, residual, norm)
+        if self.is_attention:  # the output projection runs in the MLP's kernel
+            out, residual = self.self_attn.attend(hidden, residual, norm, positions, cos_sin_cache)
+            out_proj = self.self_attn.o_proj
+            return self.feed_forward.after_projection(
+                out, out_proj, residual, self.pre_ff_layernorm
+            )
+        hidden, residual = self.mamba(hidden, residual, norm)
         return self.feed_forward(hidden, residual, self.pre_ff_layernorm)
 
 

@@ -210,11 +210,39 @@ class GatedMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden_size) -> (down(act(gate) * up) of `norm(x, residual)`, summed over
         the ranks; the residual stream). Where a decode step's GEMV runs, the norm is fused
-        into the gate/up projection and SiLU into the down projection."""
+        into the gate/up projection and SiLU into the down projection; without biases the
+        two run in one kernel (`ops.gated_mlp`)."""
+        if self._one_kernel():
+            y, residual = ops.gated_mlp(x, residual, self._weights(norm))
+            return self.down_proj.tp.all_reduce(y), residual
         gate_up, residual = self.gate_up_proj.normed(x, residual, norm)
         if self.activation == "gelu_tanh":
             return self.down_proj(ops.gelu_tanh_and_mul(gate_up)), residual
         return self.down_proj(gate_up, gated=True), residual
+
+    def after_projection(
+        self,
+        attn: torch.Tensor,
+        out_proj: RowParallelLinear,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of `out_proj(attn)`: an attention's output projection and this MLP in
+        one kernel where they can be (`ops.gated_mlp`: one rank, no biases)."""
+        if self._one_kernel() and out_proj.tp.size == 1 and out_proj.bias is None:
+            y, residual = ops.gated_mlp(attn, residual, self._weights(norm), out_proj.weight)
+            return self.down_proj.tp.all_reduce(y), residual
+        return self(out_proj(attn), residual, norm)
+
+    def _one_kernel(self) -> bool:
+        """Whether the MLP runs as one op (`ops.gated_mlp`): SiLU, no biases."""
+        no_bias = self.gate_up_proj.bias is None and self.down_proj.bias is None
+        return self.activation == "silu" and no_bias
+
+    def _weights(self, norm: RMSNorm) -> ops.GatedMLPWeights:
+        return ops.GatedMLPWeights(
+            norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight
+        )
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of x as it is, no norm before, and this rank's share of it

@@ -85,12 +85,24 @@ class DecoderAttention(nn.Module):
         """hidden (T, hidden_size), positions (T,) -> (attention of `norm(hidden,
         residual)`, summed over the ranks; the residual stream): the norm runs fused
         into the qkv projection where a decode step's GEMV runs."""
+        out, residual = self.attend(hidden, residual, norm, positions, cos_sin_cache)
+        return self.o_proj(out), residual
+
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` up to the output projection: (the heads' outputs (T, heads * head_dim),
+        the residual stream), for a layer that runs `o_proj` in its MLP's kernel."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
-        out = self.attn(qkv, positions, cos_sin_cache, qk_norm)
-        return self.o_proj(out), residual
+        return self.attn(qkv, positions, cos_sin_cache, qk_norm), residual
 
 
 class DecoderLayer(nn.Module):
@@ -119,11 +131,15 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream): the caller's next norm adds the two. Each
-        sublayer applies its norm itself, fused into its first projection."""
-        hidden, residual = self.self_attn(
-            hidden, residual, self.input_layernorm, positions, cos_sin_cache
-        )
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
+        sublayer applies its norm itself, fused into its first projection; a Llama-style
+        attention's output projection runs in a gated MLP's kernel."""
+        args = (hidden, residual, self.input_layernorm, positions, cos_sin_cache)
+        norm = self.post_attention_layernorm
+        if isinstance(self.self_attn, DecoderAttention) and isinstance(self.mlp, GatedMLP):
+            out, residual = self.self_attn.attend(*args)
+            return self.mlp.after_projection(out, self.self_attn.o_proj, residual, norm)
+        hidden, residual = self.self_attn(*args)
+        return self.mlp(hidden, residual, norm)
 
 
 class DecoderModel(nn.Module):

@@ -8,6 +8,7 @@ is also what the kernels are tested against.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,39 @@ def rms_norm_linear(
         return linear(rms_norm(x, norm_weight, eps), weight, bias), x
     normed, residual = rms_norm(x, norm_weight, eps, residual)
     return linear(normed, weight, bias), residual
+
+
+@dataclass(frozen=True)
+class GatedMLPWeights:
+    """What a gated MLP (SiLU, no biases) reads besides its input: its norm's weight and
+    eps, gate_up (2I, H), gate then up, and down (H, I)."""
+
+    norm: torch.Tensor
+    eps: float
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    mlp: GatedMLPWeights,
+    out_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream); with `out_weight`
+    x is an attention's output, projected by it first (one rank, no bias). Where the GEMV
+    runs, all of it is one persistent kernel (extkv.kernels.gated_mlp: the same bits as
+    `linear`, `rms_norm_linear` and `silu_and_mul_linear`, without the kernel boundaries
+    between them)."""
+    weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
+    if _takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights):
+        from extkv.kernels.gated_mlp import gated_mlp_small_batch
+
+        return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights)
+    if out_weight is not None:
+        x = linear(x, out_weight)
+    gate_up, residual = rms_norm_linear(x, residual, mlp.norm, mlp.eps, mlp.gate_up)
+    return silu_and_mul_linear(gate_up, mlp.down), residual
 
 
 def pending_tokens(
