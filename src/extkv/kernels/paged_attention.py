@@ -72,21 +72,78 @@ def _paged_attention_kernel(
     UNMASKED_FIRST: tl.constexpr,
     KEY_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
+    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads) of `attention_tile`."""
+    wait_for_previous_grid(USE_PDL)
+    attention_tile(
+        tl.program_id(0) // NUM_SPLITS, tl.program_id(0) % NUM_SPLITS, tl.program_id(1),
+        tl.program_id(2), out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_ptr, v_ptr,
+        block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr, key_bounds_ptr, qk_scale, window,
+        num_q_heads, stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
+        stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
+        stride_bt, GROUP, GROUP_P2, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+        NUM_SPLITS, UNMASKED_FIRST, KEY_BOUNDS, DOT_PRECISION, NUM_STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def attention_tile(
+    q_tile,
+    split,
+    seq,
+    kv_head,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    cu_seqlens_q_ptr,
+    key_bounds_ptr,
+    qk_scale,
+    window,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UNMASKED_FIRST: tl.constexpr,
+    KEY_BOUNDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Query tile `q_tile` of sequence `seq`, KV head `kv_head`, split `split` of its
+    keys; online softmax in fp32, the key loop NUM_STAGES deep.
     UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
     sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
     which measured faster there (two pipelined loops cost ~15% at batch 256).
     KEY_BOUNDS (a prefill with images whose tokens see each other): each query sees the
     keys up to its entry of `key_bounds` rather than its own position; the masked
     tiles then reach to the tile's furthest bound."""
-    wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
-    q_tile = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -131,7 +188,7 @@ def _paged_attention_kernel(
     for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
         lo = kv_lo if phase == 0 else kv_masked_start
         hi = kv_masked_start if phase == 0 else kv_hi
-        for start in range(lo, hi, BLOCK_N):
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             row_max, row_sum, acc = _attend_tile(
                 q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
                 k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
@@ -225,10 +282,30 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (num_tokens, num_q_heads): weight each split's output by its softmax mass."""
+    """Grid (num_tokens, num_q_heads) of `merge_splits_tile`."""
     wait_for_previous_grid(USE_PDL)
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    merge_splits_tile(
+        tl.program_id(0), tl.program_id(1), out_ptr, part_out_ptr, part_lse_ptr, num_q_heads,
+        stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, NUM_SPLITS,
+    )  # fmt: skip
+
+
+@triton.jit
+def merge_splits_tile(
+    token,
+    head,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Token `token`, head `head`: weight each split's output by its softmax mass."""
     part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
@@ -401,6 +478,7 @@ def paged_attention(
         UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
         KEY_BOUNDS=key_bounds is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **pdl_launch(query.device),

@@ -105,11 +105,61 @@ def _qk_norm_rope_store_kernel(
     K_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per (token, tile of HEADS heads): q tiles first, then k/v tiles.
-    K_OUT: k also goes to `k_out_ptr` (T, Hkv, D), padding tokens (slot -1) included."""
+    """One program per (token, tile of HEADS heads) of `qk_norm_rope_store_tile`."""
     wait_for_previous_grid(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
+    qk_norm_rope_store_tile(
+        tl.program_id(0), tl.program_id(1), qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr,
+        k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_qkv,
+        stride_cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_kcb, stride_kcs,
+        stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd, eps,
+        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DIM_P2, ROTARY_DIM, HEADS, Q_TILES, BLOCK_SIZE,
+        HAS_NORM, K_OUT,
+    )  # fmt: skip
+
+
+@triton.jit
+def qk_norm_rope_store_tile(
+    token,
+    tile,
+    qkv_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_qkv,
+    stride_cos_sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
+    Q_TILES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    K_OUT: tl.constexpr,
+):
+    """Token `token`, tile `tile` of HEADS heads: q tiles first, then k/v tiles.
+    K_OUT: k also goes to `k_out_ptr` (T, Hkv, D), padding tokens (slot -1) included."""
+    token = token.to(tl.int64)
     rows = tl.arange(0, HEADS)[:, None]
     dim = tl.arange(0, DIM_P2)[None, :]
     row_ptr = qkv_ptr + token * stride_qkv
