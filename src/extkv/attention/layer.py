@@ -7,7 +7,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from extkv.attention.metadata import get_forward_context
+from extkv.attention.metadata import AttentionMetadata, get_forward_context
 from extkv.attention.ops import qk_norm_rope, rope_store_attention, varlen_attention
 
 
@@ -73,3 +73,40 @@ class Attention(nn.Module):
                 *prepare, q_weight, k_weight, eps, *cache, metadata, self.scale, self.sliding_window
             )
         return out.view(-1, self.num_heads * self.head_dim)
+
+    def normed_forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: nn.Module,
+        qkv_proj: nn.Module,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        qk_norm: QKNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of `qkv_proj.normed(hidden, residual, norm)` (RMSNorm(residual + hidden)
+        through the qkv projection): (out, the residual stream). A CUDA decode step's few
+        rows over a bound cache take one persistent kernel for all of it
+        (extkv.kernels.decode_attention, the same bits)."""
+        metadata = get_forward_context().attention[self.kv_group]
+        if self._decodes_in_one_kernel(hidden, qkv_proj.weight, metadata):
+            from extkv.kernels.decode_attention import decode_attention_block
+
+            q_weight, k_weight, qk_eps = qk_norm or (None, None, 0.0)
+            out, residual = decode_attention_block(
+                hidden, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
+                positions, cos_sin_cache, self.num_heads, self.num_kv_heads, q_weight, k_weight,
+                qk_eps, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window,
+            )  # fmt: skip
+            return out.view(-1, self.num_heads * self.head_dim), residual
+        qkv, residual = qkv_proj.normed(hidden, residual, norm)
+        return self(qkv, positions, cos_sin_cache, qk_norm), residual
+
+    def _decodes_in_one_kernel(
+        self, hidden: torch.Tensor, qkv_weight: torch.Tensor, metadata: AttentionMetadata
+    ) -> bool:
+        """A decode step over the bound cache whose rows take the GEMV (`takes_gemv`)."""
+        from extkv.models.ops import takes_gemv  # extkv.models imports this package
+
+        bound = self.k_cache.numel() > 0 and self.k_cache.dtype == hidden.dtype
+        return bound and not metadata.is_prefill and takes_gemv(hidden, qkv_weight)

@@ -147,67 +147,66 @@ def attention_tile(
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    context_len = tl.load(context_lens_ptr + seq)
+    if q_tile * BLOCK_Q < q_len:  # no early return: persistent kernels call this in a loop
+        context_len = tl.load(context_lens_ptr + seq)
 
-    rows = tl.arange(0, BLOCK_M)
-    token = q_tile * BLOCK_Q + rows // GROUP_P2  # index among the sequence's new tokens
-    head = kv_head * GROUP + rows % GROUP_P2
-    row_ok = (token < q_len) & (rows % GROUP_P2 < GROUP)
-    q_pos = context_len - q_len + token  # position in the context, for the causal mask
-    q_last = q_pos  # the last key position each row sees
-    if KEY_BOUNDS:
-        q_last = tl.load(key_bounds_ptr + q_start + token, mask=row_ok, other=0)
-    dim = tl.arange(0, HEAD_DIM_P2)
-    dim_ok = dim < HEAD_DIM
-    io_mask = row_ok[:, None] & dim_ok[None, :]
-    q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
+        rows = tl.arange(0, BLOCK_M)
+        token = q_tile * BLOCK_Q + rows // GROUP_P2  # index among the sequence's new tokens
+        head = kv_head * GROUP + rows % GROUP_P2
+        row_ok = (token < q_len) & (rows % GROUP_P2 < GROUP)
+        q_pos = context_len - q_len + token  # position in the context, for the causal mask
+        q_last = q_pos  # the last key position each row sees
+        if KEY_BOUNDS:
+            q_last = tl.load(key_bounds_ptr + q_start + token, mask=row_ok, other=0)
+        dim = tl.arange(0, HEAD_DIM_P2)
+        dim_ok = dim < HEAD_DIM
+        io_mask = row_ok[:, None] & dim_ok[None, :]
+        q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+        q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
 
-    # This program's keys: its split's share of the context the tile's queries see (the
-    # causal end; the window's start, `window` being the context's bound without one).
-    kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
-    if KEY_BOUNDS:
-        kv_end = tl.minimum(context_len, tl.maximum(kv_end, tl.max(q_last, 0) + 1))
-    kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = kv_begin + split * per_split
-    kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+        # This program's keys: its split's share of the context the tile's queries see (the
+        # causal end; the window's start, `window` being the context's bound without one).
+        kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
+        if KEY_BOUNDS:
+            kv_end = tl.minimum(context_len, tl.maximum(kv_end, tl.max(q_last, 0) + 1))
+        kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_begin + split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_bt
-    kv_masked_start = kv_lo
-    if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
-        first_q_pos = context_len - q_len + q_tile * BLOCK_Q
-        unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
-        kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
-    # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
-    for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
-        lo = kv_lo if phase == 0 else kv_masked_start
-        hi = kv_masked_start if phase == 0 else kv_hi
-        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-            row_max, row_sum, acc = _attend_tile(
-                q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
-                k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
-                stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
-            )  # fmt: skip
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        table_ptr = block_tables_ptr + seq * stride_bt
+        kv_masked_start = kv_lo
+        if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
+            first_q_pos = context_len - q_len + q_tile * BLOCK_Q
+            unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
+            kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
+        # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
+        for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
+            lo = kv_lo if phase == 0 else kv_masked_start
+            hi = kv_masked_start if phase == 0 else kv_hi
+            for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+                row_max, row_sum, acc = _attend_tile(
+                    q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+                    k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
+                )  # fmt: skip
 
-    safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
-    o = acc / safe_sum[:, None]
-    if NUM_SPLITS == 1:
-        o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-        o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:
-        part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
-        lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
+        o = acc / safe_sum[:, None]
+        if NUM_SPLITS == 1:
+            o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+            o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
+            lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit

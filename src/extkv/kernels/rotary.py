@@ -195,20 +195,34 @@ def qk_norm_rope_store_tile(
             tl.store(v_dst + dim * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=live)
 
 
-def _check_shapes(
+def check_shapes(
     qkv: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
+    """qkv (T, num_heads * head_dim) with contiguous columns; see `check_rotary_table`."""
     if qkv.dim() != 2 or qkv.shape[1] != num_heads * head_dim or qkv.stride(1) != 1:
         raise ValueError(
             f"qkv must be (T, {num_heads} heads * head_dim {head_dim}) with contiguous "
             f"columns, got shape {tuple(qkv.shape)}, strides {qkv.stride()}"
         )
+    check_rotary_table(cos_sin_cache, head_dim)
+
+
+def check_rotary_table(cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """cos_sin_cache (positions, rotary_dim), an even rotary_dim <= head_dim, contiguous rows."""
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim % 2 or rotary_dim > head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(
             f"cos_sin_cache must be (positions, rotary_dim) with an even rotary_dim <= "
             f"head_dim {head_dim}, contiguous; got shape {tuple(cos_sin_cache.shape)}"
         )
+
+
+def tile_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(head_dim's power of two, heads per program) of `qk_norm_rope_store_tile`: about
+    _TILE_ELEMENTS elements a program."""
+    dim_p2 = triton.next_power_of_2(head_dim)
+    most = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
+    return dim_p2, min(most, max(1, _TILE_ELEMENTS // dim_p2))
 
 
 def qk_norm_rope_store(
@@ -233,7 +247,7 @@ def qk_norm_rope_store(
     cos_sin_cache (max_position, rotary_dim): cos then sin of each frequency, fp32.
     """
     head_dim = k_cache.shape[-1]
-    _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
+    check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
     wanted = (num_tokens, num_kv_heads, head_dim)
     if keys is not None and (tuple(keys.shape) != wanted or keys.stride(2) != 1):
@@ -244,10 +258,7 @@ def qk_norm_rope_store(
     q = qkv.new_empty(num_tokens, num_q_heads, head_dim)
     if num_tokens == 0:
         return q
-    dim_p2 = triton.next_power_of_2(head_dim)
-    heads = min(
-        triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, _TILE_ELEMENTS // dim_p2)
-    )
+    dim_p2, heads = tile_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = triton.cdiv(num_q_heads, heads)
     has_norm = q_norm_weight is not None
     _qk_norm_rope_store_kernel[(num_tokens, q_tiles + triton.cdiv(num_kv_heads, heads))](

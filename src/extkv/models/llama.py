@@ -101,8 +101,8 @@ class DecoderAttention(nn.Module):
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
-        return self.attn(qkv, positions, cos_sin_cache, qk_norm), residual
+        args = (hidden, residual, norm, self.qkv_proj, positions, cos_sin_cache, qk_norm)
+        return self.attn.normed_forward(*args)
 
 
 class DecoderLayer(nn.Module):

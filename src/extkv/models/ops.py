@@ -64,7 +64,7 @@ def gated_rms_norm(
     return reference.gated_rms_norm(y, gate, weight, group_size, eps)
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows go through the Triton GEMV: a decode step's few low-precision
     rows on CUDA (`GEMV_MAX_ROWS`)."""
     return (
@@ -81,7 +81,7 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """nn.Linear's forward: a decode step's few low-precision rows on CUDA go through the
     weight-streaming GEMV (`GEMV_MAX_ROWS`); everything else, the CPU included, is F.linear."""
-    if _takes_gemv(x, weight):
+    if takes_gemv(x, weight):
         from extkv.kernels.gemv import linear_small_batch
 
         return linear_small_batch(x, weight, bias)
@@ -93,7 +93,7 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """`linear(silu_and_mul(gate_up), weight, bias)`, the activation fused into the GEMV's
     input where the GEMV runs (same bits: one kernel fewer per MLP)."""
-    if _takes_gemv(gate_up, weight):
+    if takes_gemv(gate_up, weight):
         from extkv.kernels.gemv import silu_and_mul_linear_small_batch
 
         return silu_and_mul_linear_small_batch(gate_up, weight, bias)
@@ -111,7 +111,7 @@ def rms_norm_linear(
     """(linear of RMSNorm(residual + x), residual stream), the norm fused into the GEMV's
     input where the GEMV runs (one kernel fewer per norm; the stream is then a new tensor,
     not `residual` updated in place). Without a residual the stream starts at x."""
-    if _takes_gemv(x, weight):
+    if takes_gemv(x, weight):
         from extkv.kernels.gemv import rms_norm_linear_small_batch
 
         return rms_norm_linear_small_batch(x, residual, norm_weight, eps, weight, bias)
@@ -144,7 +144,7 @@ def gated_mlp(
     `linear`, `rms_norm_linear` and `silu_and_mul_linear`, without the kernel boundaries
     between them)."""
     weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
-    if _takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights):
+    if takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights):
         from extkv.kernels.gated_mlp import gated_mlp_small_batch
 
         return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights)
