@@ -29,8 +29,8 @@ from extkv.kernels.gemv import (
 )
 from extkv.kernels.grid_barrier import barrier_state, grid_barrier, one_launch, persistent_grid
 from extkv.kernels.paged_attention import (
-    _LOG2E,
     DECODE_TILES,
+    LOG2E,
     NO_WINDOW,
     attention_tile,
     decode_splits,
@@ -104,6 +104,7 @@ def _decode_attention_kernel(
     HAS_BIAS: tl.constexpr,
     GEMV_BLOCK_N: tl.constexpr,
     GEMV_BLOCK_K: tl.constexpr,
+    GEMV_BLOCK_M: tl.constexpr,
     QKV_SPLIT: tl.constexpr,
     K_CHUNKS: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
@@ -148,7 +149,7 @@ def _decode_attention_kernel(
                 partial_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr,
                 num_rows, qkv_width, hidden, qkv_k_per_split, stride_xm, stride_qkv_wn,
                 stride_qkv, stride_rm, stride_rom, eps, RMS_NORM, HAS_RESIDUAL, HAS_BIAS,
-                GEMV_BLOCK_N, GEMV_BLOCK_K, MAX_ROWS, QKV_SPLIT, K_CHUNKS, DOT_PRECISION,
+                GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_BLOCK_M, QKV_SPLIT, K_CHUNKS, DOT_PRECISION,
             )  # fmt: skip
     if FIRST < PREPARE and LAST >= PREPARE:
         grid_barrier(barrier_ptr, programs)
@@ -303,12 +304,13 @@ def decode_attention_block(
             metadata.block_tables.stride(0),
             eps,
             qk_eps,
-            scale * _LOG2E,
+            scale * LOG2E,
             sliding_window or NO_WINDOW,
             HAS_RESIDUAL=residual is not None,
             HAS_BIAS=qkv_bias is not None,
             GEMV_BLOCK_N=qkv_tiling.config.block_n,
             GEMV_BLOCK_K=qkv_tiling.config.block_k,
+            GEMV_BLOCK_M=MAX_ROWS,
             QKV_SPLIT=qkv_tiling.config.split_k,
             K_CHUNKS=qkv_tiling.k_chunks,
             LINE_ELEMENTS=qkv_tiling.line_elements,

@@ -28,7 +28,7 @@ import triton.language as tl
 from extkv.attention.metadata import AttentionMetadata
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -458,7 +458,7 @@ def paged_attention(
         metadata.context_lens,
         metadata.cu_seqlens_q,
         metadata.context_lens if key_bounds is None else key_bounds,  # unread without
-        scale * _LOG2E,
+        scale * LOG2E,
         sliding_window or NO_WINDOW,
         num_q_heads,
         *query.stride(),
