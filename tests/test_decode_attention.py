@@ -235,7 +235,7 @@ def test_cuda_graph_replay_gpu() -> None:
     static = Step.random(QWEN3, 4, "block_major", torch.bfloat16, "cuda", 32, torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, and make the barrier's state, outside the capture
+    with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture
         static.fused()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()

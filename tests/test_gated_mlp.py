@@ -25,7 +25,7 @@ from extkv.kernels.gemv import (
     rms_norm_linear_small_batch,
     silu_and_mul_linear_small_batch,
 )
-from extkv.kernels.grid_barrier import grid_barrier
+from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
 from extkv.models import ops
 from helpers import (
     interpreter_dots_bf16_as_numbers,
@@ -182,35 +182,45 @@ def test_interpreted() -> None:
 
 
 @triton.jit
-def _barrier_rounds_kernel(slots_ptr, sums_ptr, state_ptr, ROUNDS: tl.constexpr):
+def _barrier_rounds_kernel(slots_ptr, sums_ptr, counter_ptr, ROUNDS: tl.constexpr):
     """Each round every program writes round * (its id + 1) to its slot, waits, sums all
     slots into its own entry of `sums`, and waits again before the next round's write."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for r in range(ROUNDS):
         tl.store(slots_ptr + pid, r * (pid + 1))
-        grid_barrier(state_ptr, programs)
+        grid_barrier(counter_ptr, programs)
         total = tl.load(slots_ptr) * 0
         for p in range(programs):
             total += tl.load(slots_ptr + p)
         tl.store(sums_ptr + r * programs + pid, total)
-        grid_barrier(state_ptr, programs)
+        grid_barrier(counter_ptr, programs)
 
 
 @pytest.mark.gpu
 def test_grid_barrier_orders_every_program() -> None:
     """Over 64 rounds and three launches on every SM, each program sees every other's
-    write of the round: no program passes the barrier early, and the state needs no reset."""
+    write of the round: no program passes the barrier early, and the counter needs no
+    reset (it ends each launch at a multiple of the programs)."""
     programs, rounds = num_sms(torch.device("cuda")), 64
-    state = torch.zeros(2, dtype=torch.int32, device="cuda")
+    counter = barrier_counter("test", torch.device("cuda"), programs)
     expected = torch.arange(rounds, device="cuda", dtype=torch.int32)[:, None]
     expected = expected * (programs * (programs + 1) // 2)
-    for _ in range(3):
+    for launch in range(1, 4):
         slots = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
         sums = torch.zeros(rounds, programs, dtype=torch.int32, device="cuda")
-        _barrier_rounds_kernel[(programs,)](slots, sums, state, ROUNDS=rounds)
+        _barrier_rounds_kernel[(programs,)](slots, sums, counter, ROUNDS=rounds)
         assert torch.equal(sums, expected.expand(rounds, programs))
-        assert state[0].item() == 0
+        assert counter.item() == launch * 2 * rounds * programs
+
+
+def test_barrier_counter_is_made_once_per_grid() -> None:
+    """One counter per (owner, device, programs), zero when made and the same tensor after."""
+    cpu = torch.device("cpu")
+    counter = barrier_counter("test", cpu, 3)
+    assert counter.dtype == torch.int64 and counter.item() == 0
+    assert barrier_counter("test", cpu, 3) is counter
+    assert barrier_counter("test", cpu, 4) is not counter
 
 
 @pytest.mark.gpu
@@ -230,7 +240,7 @@ def test_cuda_graph_replay_gpu(hidden: int, inner: int) -> None:
     static_x, static_residual = x.clone(), torch.randn_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, and make the barrier's state, outside the capture
+    with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture
         gated_mlp_small_batch(static_x, static_residual, norm_weight, 1e-6, gate_up, down)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()

@@ -83,11 +83,13 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         qk_norm: QKNorm | None = None,
+        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of `qkv_proj.normed(hidden, residual, norm)` (RMSNorm(residual + hidden)
         through the qkv projection): (out, the residual stream). A CUDA decode step's few
         rows over a bound cache take one persistent kernel for all of it
-        (extkv.kernels.decode_attention, the same bits)."""
+        (extkv.kernels.decode_attention, the same bits), which asks L2 for `prefetch`, the
+        weights the layer reads next."""
         metadata = get_forward_context().attention[self.kv_group]
         if self._decodes_in_one_kernel(hidden, qkv_proj.weight, metadata):
             from extkv.kernels.decode_attention import decode_attention_block
@@ -97,6 +99,7 @@ class Attention(nn.Module):
                 hidden, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
                 positions, cos_sin_cache, self.num_heads, self.num_kv_heads, q_weight, k_weight,
                 qk_eps, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window,
+                prefetch,
             )  # fmt: skip
             return out.view(-1, self.num_heads * self.head_dim), residual
         qkv, residual = qkv_proj.normed(hidden, residual, norm)

@@ -27,7 +27,7 @@ from extkv.kernels.gemv import (
     prefetch_tile,
     split_scratch,
 )
-from extkv.kernels.grid_barrier import barrier_state, grid_barrier, one_launch, persistent_grid
+from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, one_launch, persistent_grid
 from extkv.kernels.paged_attention import (
     DECODE_TILES,
     LOG2E,
@@ -37,7 +37,12 @@ from extkv.kernels.paged_attention import (
     fit_tiles,
     merge_splits_tile,
 )
-from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+from extkv.kernels.pdl import (
+    next_weights,
+    pdl_launch,
+    prefetch_next_weights,
+    wait_for_previous_grid,
+)
 from extkv.kernels.rotary import check_rotary_table, qk_norm_rope_store_tile, tile_heads
 
 # The stages, in order; a launch runs FIRST to LAST of them (see gated_mlp).
@@ -71,6 +76,12 @@ def _decode_attention_kernel(
     cu_seqlens_q_ptr,
     barrier_ptr,
     qkv_w_address,
+    next_address0,
+    next_bytes0,
+    next_address1,
+    next_bytes1,
+    next_address2,
+    next_bytes2,
     num_rows,
     num_seqs,
     hidden,
@@ -125,6 +136,7 @@ def _decode_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    NUM_NEXT: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -151,6 +163,11 @@ def _decode_attention_kernel(
                 stride_qkv, stride_rm, stride_rom, eps, RMS_NORM, HAS_RESIDUAL, HAS_BIAS,
                 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_BLOCK_M, QKV_SPLIT, K_CHUNKS, DOT_PRECISION,
             )  # fmt: skip
+    if PREFETCH:  # the next kernel's weights, while the stages below wait on latency
+        prefetch_next_weights(
+            next_address0, next_bytes0, next_address1, next_bytes1, next_address2, next_bytes2,
+            pid, programs, NUM_NEXT,
+        )  # fmt: skip
     if FIRST < PREPARE and LAST >= PREPARE:
         grid_barrier(barrier_ptr, programs)
     if FIRST <= PREPARE and LAST >= PREPARE:
@@ -211,10 +228,13 @@ def decode_attention_block(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's (one token per sequence, at most MAX_ROWS) attention sublayer:
     `rms_norm_linear_small_batch` to qkv, `qk_norm_rope_store` and `paged_attention`, in
-    one kernel. Returns (out (T, Hq, D), the residual stream), the same bits as theirs."""
+    one kernel. Returns (out (T, Hq, D), the residual stream), the same bits as theirs.
+    `prefetch`: up to three weights the next kernel reads, asked of L2 (on CUDA with PDL)
+    once the qkv projection has read its own."""
     if metadata.is_prefill:
         raise ValueError("decode_attention_block takes a decode step's metadata, got a prefill's")
     check_operands(x, qkv_weight, qkv_bias, x.shape[-1])
@@ -284,8 +304,9 @@ def decode_attention_block(
             metadata.block_tables,
             metadata.context_lens,
             metadata.cu_seqlens_q,
-            barrier_state("decode_attention", x.device),
+            barrier_counter("decode_attention", x.device, grid),
             qkv_weight.data_ptr(),
+            *next_weights(prefetch),
             num_rows,
             num_seqs,
             x.shape[1],
@@ -331,6 +352,7 @@ def decode_attention_block(
             NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(x.dtype),
             PREFETCH=launch["USE_PDL"],
+            NUM_NEXT=len(prefetch),
             FIRST=first,
             LAST=last,
             num_warps=qkv_tiling.config.num_warps,

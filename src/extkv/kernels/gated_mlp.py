@@ -28,8 +28,13 @@ from extkv.kernels.gemv import (
     prefetch_tile,
     split_scratch,
 )
-from extkv.kernels.grid_barrier import barrier_state, grid_barrier, one_launch, persistent_grid
-from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, one_launch, persistent_grid
+from extkv.kernels.pdl import (
+    next_weights,
+    pdl_launch,
+    prefetch_next_weights,
+    wait_for_previous_grid,
+)
 
 # The stages, in order; a launch runs FIRST to LAST of them: all of a call's, with
 # barriers between them, or one at a time (the interpreter's launches).
@@ -54,6 +59,12 @@ def _gated_mlp_kernel(
     out_w_address,
     gate_up_w_address,
     down_w_address,
+    next_address0,
+    next_bytes0,
+    next_address1,
+    next_bytes1,
+    next_address2,
+    next_bytes2,
     num_rows,
     attn_width,
     hidden,
@@ -86,6 +97,7 @@ def _gated_mlp_kernel(
     DOWN_LINE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    NUM_NEXT: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -119,6 +131,11 @@ def _gated_mlp_kernel(
                 down_k_per_split, stride_down_wn, BLOCK_N, DOWN_BLOCK_K, DOWN_LINE,
             )  # fmt: skip
     wait_for_previous_grid(USE_PDL)
+    if PREFETCH:  # the weights of the kernel after this one, while this one reads L2
+        prefetch_next_weights(
+            next_address0, next_bytes0, next_address1, next_bytes1, next_address2, next_bytes2,
+            pid, programs, NUM_NEXT,
+        )  # fmt: skip
     if FIRST <= OUT_PROJ:
         for item in range(pid, out_items, programs):
             gemv_tile(
@@ -161,13 +178,15 @@ def gated_mlp_small_batch(
     gate_up_weight: torch.Tensor,
     down_weight: torch.Tensor,
     out_weight: torch.Tensor | None = None,
+    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), the residual stream) for at most
     MAX_ROWS rows, no biases: gate_up_weight (2I, H), gate then up; down_weight (H, I).
     With `out_weight` (H, A), x is an attention's output (M, A) and goes through that
     projection first: the rest of a decoder layer after its attention. The same bits as
     the GEMVs it replaces; the stream as theirs, a new tensor (without a residual, the
-    MLP's input itself)."""
+    MLP's input itself). `prefetch`: up to three weights the next kernel reads, asked of
+    L2 (on CUDA with PDL) while this one runs from it."""
     check_operands(x, gate_up_weight if out_weight is None else out_weight, None, x.shape[-1])
     attn = None
     if out_weight is not None:
@@ -217,10 +236,11 @@ def gated_mlp_small_batch(
             y,
             partials,
             arrivals,
-            barrier_state("gated_mlp", x.device),
+            barrier_counter("gated_mlp", x.device, grid),
             (gate_up_weight if out_weight is None else out_weight).data_ptr(),
             gate_up_weight.data_ptr(),
             down_weight.data_ptr(),
+            *next_weights(prefetch),
             num_rows,
             0 if attn is None else attn.shape[1],
             hidden,
@@ -253,6 +273,7 @@ def gated_mlp_small_batch(
             DOWN_LINE=down.line_elements,
             DOT_PRECISION=dot_precision(x.dtype),
             PREFETCH=launch["USE_PDL"],
+            NUM_NEXT=len(prefetch),
             FIRST=first,
             LAST=last,
             num_warps=up.config.num_warps,

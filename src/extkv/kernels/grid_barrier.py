@@ -22,30 +22,38 @@ import torch
 import triton
 import triton.language as tl
 
-from extkv.kernels.arrivals import arrival_counters
-
 
 @triton.jit
-def grid_barrier(state_ptr, num_programs):
+def grid_barrier(counter_ptr, num_programs):
     """Wait until all `num_programs` programs got here; their writes before it are then
-    visible to every program after it. `state_ptr`: two int32 (arrived, generation),
-    zero before the first use; the last program to arrive sets arrived back to zero and
-    moves the generation on, so the state needs no reset between barriers or launches."""
+    visible to every program after it.
+
+    `counter_ptr`: an int64 only kernels of `num_programs` programs add to, zero before
+    its first use (`barrier_counter`). Each barrier adds `num_programs` to it in all, so
+    the barrier a program arrives at is over when the count reaches the next multiple:
+    one atomic per program, nothing to reset between barriers or launches."""
     tl.debug_barrier()  # every thread's writes are issued before the program arrives
-    generation = tl.atomic_add(state_ptr + 1, 0, sem="acquire")
-    if tl.atomic_add(state_ptr, 1, sem="acq_rel") == num_programs - 1:
-        tl.atomic_xchg(state_ptr, 0, sem="relaxed")
-        tl.atomic_add(state_ptr + 1, 1, sem="release")
-    else:
-        while tl.atomic_add(state_ptr + 1, 0, sem="acquire") == generation:
-            pass
+    arrived = tl.atomic_add(counter_ptr, 1, sem="release")
+    done = (arrived // num_programs + 1) * num_programs
+    while tl.atomic_add(counter_ptr, 0, sem="acquire") < done:  # an acquiring load
+        pass
     tl.debug_barrier()  # no thread reads before the program has seen everyone arrive
 
 
-def barrier_state(owner: str, device: torch.device) -> torch.Tensor:
-    """`owner`'s barrier state (two int32) on `device`: made on first use, outside a
-    graph capture, like every arrival counter."""
-    return arrival_counters(f"{owner} grid barrier", device, 2)
+_COUNTERS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+
+def barrier_counter(owner: str, device: torch.device, num_programs: int) -> torch.Tensor:
+    """The barrier counter of `owner`'s kernels of `num_programs` programs on `device`
+    (see `grid_barrier`): made on first use, which must come before any graph capture
+    (the warm-up call that compiles the kernel)."""
+    key = (owner, device, num_programs)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"run {owner} once before capturing it in a graph")
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int64, device=device)
+    return counter
 
 
 def one_launch(device: torch.device) -> bool:

@@ -72,3 +72,43 @@ def prefetch_to_l2(addresses):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def prefetch_share(address, num_bytes, pid, programs, LINES: tl.constexpr):
+    """Ask L2 for program `pid`'s share (of `programs` programs) of the `num_bytes` bytes at
+    `address` (an int64 byte address), LINES 128-byte lines a step: a weight the next
+    kernel reads, requested while this one is bound by latency rather than bandwidth."""
+    share = tl.cdiv(tl.cdiv(num_bytes, 128), programs) * 128
+    begin = pid.to(tl.int64) * share
+    end = tl.minimum(begin + share, num_bytes)
+    lines = tl.arange(0, LINES).to(tl.int64) * 128
+    for start in range(begin, end, LINES * 128):
+        offsets = start + lines
+        prefetch_to_l2(address + tl.where(offsets < end, offsets, 0))
+
+
+MAX_NEXT_WEIGHTS = 3
+
+
+def next_weights(weights: tuple[torch.Tensor, ...]) -> list[int]:
+    """The (address, bytes) pairs of up to MAX_NEXT_WEIGHTS weights, zeros for the rest:
+    the arguments of `prefetch_next_weights`."""
+    if len(weights) > MAX_NEXT_WEIGHTS:
+        raise ValueError(f"at most {MAX_NEXT_WEIGHTS} next weights, got {len(weights)}")
+    pairs = [(w.data_ptr(), w.numel() * w.element_size()) for w in weights]
+    pairs += [(0, 0)] * (MAX_NEXT_WEIGHTS - len(weights))
+    return [value for pair in pairs for value in pair]
+
+
+@triton.jit
+def prefetch_next_weights(
+    address0, bytes0, address1, bytes1, address2, bytes2, pid, programs, COUNT: tl.constexpr
+):
+    """`prefetch_share` of each of the COUNT weights `next_weights` lists."""
+    if COUNT > 0:
+        prefetch_share(address0, bytes0, pid, programs, 128)
+    if COUNT > 1:
+        prefetch_share(address1, bytes1, pid, programs, 128)
+    if COUNT > 2:
+        prefetch_share(address2, bytes2, pid, programs, 128)

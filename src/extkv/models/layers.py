@@ -226,11 +226,14 @@ class GatedMLP(nn.Module):
         out_proj: RowParallelLinear,
         residual: torch.Tensor | None,
         norm: RMSNorm,
+        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of `out_proj(attn)`: an attention's output projection and this MLP in
-        one kernel where they can be (`ops.gated_mlp`: one rank, no biases)."""
+        one kernel where they can be (`ops.gated_mlp`: one rank, no biases), which asks L2
+        for `prefetch`, the weights of what comes next."""
         if self._one_kernel() and out_proj.tp.size == 1 and out_proj.bias is None:
-            y, residual = ops.gated_mlp(attn, residual, self._weights(norm), out_proj.weight)
+            weights = self._weights(norm)
+            y, residual = ops.gated_mlp(attn, residual, weights, out_proj.weight, prefetch)
             return self.down_proj.tp.all_reduce(y), residual
         return self(out_proj(attn), residual, norm)
 
@@ -238,6 +241,10 @@ class GatedMLP(nn.Module):
         """Whether the MLP runs as one op (`ops.gated_mlp`): SiLU, no biases."""
         no_bias = self.gate_up_proj.bias is None and self.down_proj.bias is None
         return self.activation == "silu" and no_bias
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """The MLP's weights, for the kernel before it to ask L2 for."""
+        return self.gate_up_proj.weight, self.down_proj.weight
 
     def _weights(self, norm: RMSNorm) -> ops.GatedMLPWeights:
         return ops.GatedMLPWeights(

@@ -137,17 +137,18 @@ def gated_mlp(
     residual: torch.Tensor | None,
     mlp: GatedMLPWeights,
     out_weight: torch.Tensor | None = None,
+    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream); with `out_weight`
     x is an attention's output, projected by it first (one rank, no bias). Where the GEMV
     runs, all of it is one persistent kernel (extkv.kernels.gated_mlp: the same bits as
     `linear`, `rms_norm_linear` and `silu_and_mul_linear`, without the kernel boundaries
-    between them)."""
+    between them), which also asks L2 for `prefetch`, weights the next kernel reads."""
     weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
     if takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights):
         from extkv.kernels.gated_mlp import gated_mlp_small_batch
 
-        return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights)
+        return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights, prefetch=prefetch)
     if out_weight is not None:
         x = linear(x, out_weight)
     gate_up, residual = rms_norm_linear(x, residual, mlp.norm, mlp.eps, mlp.gate_up)
