@@ -108,8 +108,10 @@ class Attention(nn.Module):
     def _decodes_in_one_kernel(
         self, hidden: torch.Tensor, qkv_weight: torch.Tensor, metadata: AttentionMetadata
     ) -> bool:
-        """A decode step over the bound cache whose rows take the GEMV (`takes_gemv`)."""
-        from extkv.models.ops import takes_gemv  # extkv.models imports this package
+        """A decode step over the bound cache whose rows take the GEMV (`takes_gemv`),
+        unless EXTKV_PERSISTENT=0."""
+        from extkv.models.ops import persistent_decode, takes_gemv  # models import this
 
         bound = self.k_cache.numel() > 0 and self.k_cache.dtype == hidden.dtype
-        return bound and not metadata.is_prefill and takes_gemv(hidden, qkv_weight)
+        decode = bound and not metadata.is_prefill and takes_gemv(hidden, qkv_weight)
+        return decode and persistent_decode()

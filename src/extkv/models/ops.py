@@ -121,6 +121,19 @@ def rms_norm_linear(
     return linear(normed, weight, bias), residual
 
 
+def persistent_decode() -> bool:
+    """EXTKV_PERSISTENT: whether a CUDA decode step's layers run as persistent kernels, the
+    attention sublayer in one and the rest in another (1, the default: extkv.kernels.
+    decode_attention and gated_mlp), or (0) as the seven kernels they replace, to compare."""
+    wanted = os.environ.get("EXTKV_PERSISTENT", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(
+            "EXTKV_PERSISTENT must be 0 (separate decode kernels) or 1 (persistent ones), "
+            f"got {wanted!r}"
+        )
+    return wanted == "1"
+
+
 @dataclass(frozen=True)
 class GatedMLPWeights:
     """What a gated MLP (SiLU, no biases) reads besides its input: its norm's weight and
@@ -145,7 +158,8 @@ def gated_mlp(
     `linear`, `rms_norm_linear` and `silu_and_mul_linear`, without the kernel boundaries
     between them), which also asks L2 for `prefetch`, weights the next kernel reads."""
     weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
-    if takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights):
+    one_kernel = takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights)
+    if one_kernel and persistent_decode():
         from extkv.kernels.gated_mlp import gated_mlp_small_batch
 
         return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights, prefetch=prefetch)
