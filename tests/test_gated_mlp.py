@@ -150,10 +150,11 @@ def test_cpu_gated_mlp_is_the_separate_ops() -> None:
 
 
 def test_persistent_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EXTKV_PERSISTENT takes 0 or 1 (default 1); anything else is refused by name."""
-    assert ops.persistent_decode()
-    monkeypatch.setenv("EXTKV_PERSISTENT", "0")
+    """EXTKV_PERSISTENT takes 0 or 1 (default 0); anything else is refused by name."""
+    monkeypatch.delenv("EXTKV_PERSISTENT", raising=False)
     assert not ops.persistent_decode()
+    monkeypatch.setenv("EXTKV_PERSISTENT", "1")
+    assert ops.persistent_decode()
     monkeypatch.setenv("EXTKV_PERSISTENT", "yes")
     with pytest.raises(ValueError, match=r"EXTKV_PERSISTENT must be 0 .* or 1 .*, got 'yes'"):
         ops.persistent_decode()

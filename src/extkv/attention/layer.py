@@ -109,7 +109,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, qkv_weight: torch.Tensor, metadata: AttentionMetadata
     ) -> bool:
         """A decode step over the bound cache whose rows take the GEMV (`takes_gemv`),
-        unless EXTKV_PERSISTENT=0."""
+        with EXTKV_PERSISTENT=1."""
         from extkv.models.ops import persistent_decode, takes_gemv  # models import this
 
         bound = self.k_cache.numel() > 0 and self.k_cache.dtype == hidden.dtype

@@ -122,10 +122,13 @@ def rms_norm_linear(
 
 
 def persistent_decode() -> bool:
-    """EXTKV_PERSISTENT: whether a CUDA decode step's layers run as persistent kernels, the
-    attention sublayer in one and the rest in another (1, the default: extkv.kernels.
-    decode_attention and gated_mlp), or (0) as the seven kernels they replace, to compare."""
-    wanted = os.environ.get("EXTKV_PERSISTENT", "1")
+    """EXTKV_PERSISTENT: whether a CUDA decode step's layers run as two persistent kernels
+    each, the attention sublayer in one and the rest in the other (1: extkv.kernels.
+    decode_attention and gated_mlp, the same bits), or as the seven kernels they replace
+    (0, the default). Opt-in until measured faster: in their first form (no weights asked
+    of L2 across kernels) a Qwen3-0.6B-shaped batch-1 step took 1.325 ms against 1.088 on
+    an H100 (BENCHMARKS.md, 2026-12-05 session 5); `gpu-check persistent` measures both."""
+    wanted = os.environ.get("EXTKV_PERSISTENT", "0")
     if wanted not in ("0", "1"):
         raise ValueError(
             "EXTKV_PERSISTENT must be 0 (separate decode kernels) or 1 (persistent ones), "
