@@ -11,6 +11,8 @@ shape, and what one grid barrier costs.
   sequence `--context` tokens long.
 - `layer`: both, as the decode step runs them: the attention kernel asking L2 for the
   MLP's weights, the MLP kernel for the next layer's qkv weight; against the 7 kernels.
+  `--stages` repeats it with the persistent kernels' GEMV loops that many stages deep
+  (fewer stages leave shared memory for the next kernel's programs to start beside).
 
 Each sublayer runs as a CUDA graph over 28 layers' own weights and caches (none served
 from L2 by the layer before), as in the decode step; `us` is per layer. Run it with
@@ -108,12 +110,14 @@ class Layers:
             for _ in range(LAYERS)
         ]
 
-    def attention(self, i: int, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def attention(
+        self, i: int, prefetch: tuple[torch.Tensor, ...] = (), stages: int | None = None
+    ) -> torch.Tensor:
         w = self.weights[i]
         out, _ = decode_attention_block(
             self.x, self.residual, self.norm, 1e-6, w["qkv"], None, self.positions,
             self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm, 1e-6, w["cache"][:, 0],
-            w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5, prefetch=prefetch,
+            w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5, prefetch=prefetch, stages=stages,
         )  # fmt: skip
         return out.view(out.shape[0], -1)
 
@@ -127,11 +131,18 @@ class Layers:
         out = paged_attention(q, w["cache"][:, 0], w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5)
         return out.view(out.shape[0], -1)
 
-    def mlp(self, i: int, attn: torch.Tensor, prefetch: tuple[torch.Tensor, ...] = ()) -> None:
+    def mlp(
+        self,
+        i: int,
+        attn: torch.Tensor,
+        prefetch: tuple[torch.Tensor, ...] = (),
+        stages: int | None = None,
+    ) -> None:
         w = self.weights[i]
         gated_mlp_small_batch(
-            attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"], prefetch
-        )
+            attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"], prefetch,
+            stages,
+        )  # fmt: skip
 
     def mlp_apart(self, i: int, attn: torch.Tensor) -> None:
         w = self.weights[i]
@@ -139,27 +150,32 @@ class Layers:
         hidden, _ = rms_norm_linear_small_batch(x, self.residual, self.norm, 1e-6, w["gate_up"])
         silu_and_mul_linear_small_batch(hidden, w["down"])
 
-    def layer(self, i: int) -> None:
+    def layer(self, i: int, stages: int | None = None) -> None:
         w = self.weights[i]
-        attn = self.attention(i, (w["out"], w["gate_up"], w["down"]))
-        self.mlp(i, attn, (self.weights[(i + 1) % LAYERS]["qkv"],))
+        attn = self.attention(i, (w["out"], w["gate_up"], w["down"]), stages)
+        self.mlp(i, attn, (self.weights[(i + 1) % LAYERS]["qkv"],), stages)
 
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
 
 
-def measure(rows: int, context: int) -> dict[str, dict[str, float]]:
-    """Per layer, each sublayer and the whole layer: {"fused": us, "apart": us}."""
+def measure(rows: int, context: int, stages: list[int]) -> dict[str, dict[str, float]]:
+    """Per layer, each sublayer and the whole layer (at each of `stages` too):
+    {"fused": us, "apart": us}."""
     layers = Layers(rows, context)
     cases = {
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
         "attention": (layers.attention, layers.attention_apart),
         "layer": (layers.layer, layers.layer_apart),
     }
-    return {
+    results = {
         name: {"fused": graph_time_us(fused, LAYERS), "apart": graph_time_us(apart, LAYERS)}
         for name, (fused, apart) in cases.items()
     }
+    for depth in stages:
+        fused = graph_time_us(lambda i, d=depth: layers.layer(i, d), LAYERS)
+        results[f"layer stages={depth}"] = {"fused": fused, "apart": results["layer"]["apart"]}
+    return results
 
 
 def main() -> None:
@@ -167,6 +183,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--stages", type=int, nargs="*", default=[4, 3, 2])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -174,13 +191,13 @@ def main() -> None:
     logger.info(
         "grid barrier on %d SMs: %.2f us", num_sms(torch.device("cuda")), results["barrier_us"]
     )
-    logger.info("%-10s %5s %10s %10s %7s", "sublayer", "rows", "fused us", "apart us", "ratio")
+    logger.info("%-18s %5s %10s %10s %7s", "sublayer", "rows", "fused us", "apart us", "ratio")
     for rows in args.rows:
-        for name, us in measure(rows, args.context).items():
+        for name, us in measure(rows, args.context, args.stages).items():
             results[f"{name} rows={rows}"] = us
             ratio = us["fused"] / us["apart"]
             logger.info(
-                "%-10s %5d %10.2f %10.2f %7.3f", name, rows, us["fused"], us["apart"], ratio
+                "%-18s %5d %10.2f %10.2f %7.3f", name, rows, us["fused"], us["apart"], ratio
             )
     write_json(args.json, results)
 

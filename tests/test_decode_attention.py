@@ -129,12 +129,15 @@ class Step:
             metadata,
         )
 
-    def fused(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(
+        self, window: int | None = None, stages: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
         return decode_attention_block(
             self.x, self.residual, self.norm_weight, 1e-6, self.qkv_weight, self.qkv_bias,
             self.positions, self.cos_sin, s.q_heads, s.kv_heads, self.q_norm, self.k_norm,
             1e-5, self.cache.k, self.cache.v, self.metadata, s.head_dim**-0.5, window,
+            stages=stages,
         )  # fmt: skip
 
     def separate(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +230,17 @@ def test_decode_attention_gpu(shape: Shape, num_seqs: int, layout: str) -> None:
     for residual_dtype in (torch.bfloat16, None):
         check_decode_attention(shape, num_seqs, layout, torch.bfloat16, "cuda", 32, residual_dtype)
     check_decode_attention(shape, num_seqs, layout, torch.bfloat16, "cuda", 32, window=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_pipeline_depth_keeps_the_bits_gpu(stages: int) -> None:
+    """`stages` changes how deep the qkv loop pipelines, not what it adds up."""
+    step = Step.random(QWEN3, 4, "split", torch.bfloat16, "cuda", 32, torch.bfloat16)
+    before = step.cache.buf.clone()
+    expected = step.fused()
+    step.cache.buf.copy_(before)
+    assert all(map(torch.equal, step.fused(stages=stages), expected))
 
 
 @pytest.mark.gpu

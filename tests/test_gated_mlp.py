@@ -244,6 +244,18 @@ def test_gated_mlp_gpu(hidden: int, inner: int, num_rows: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_pipeline_depth_keeps_the_bits_gpu(stages: int) -> None:
+    """`stages` changes how deep the GEMV loops pipeline, not what they add up."""
+    x, norm_weight, gate_up, down = mlp_operands(4, 1024, 3072, torch.bfloat16, "cuda")
+    attn = torch.randn(4, 2048, dtype=torch.bfloat16, device="cuda")
+    out_weight = (torch.randn(1024, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
+    args = (attn, x, norm_weight, 1e-6, gate_up, down, out_weight)
+    expected = gated_mlp_small_batch(*args)
+    assert all(map(torch.equal, gated_mlp_small_batch(*args, stages=stages), expected))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("hidden", "inner"), GPU_SHAPES)
 def test_cuda_graph_replay_gpu(hidden: int, inner: int) -> None:
     """Captured once, replayed over new inputs: the two kernels' bits every time."""

@@ -229,12 +229,14 @@ def decode_attention_block(
     scale: float,
     sliding_window: int | None = None,
     prefetch: tuple[torch.Tensor, ...] = (),
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's (one token per sequence, at most MAX_ROWS) attention sublayer:
     `rms_norm_linear_small_batch` to qkv, `qk_norm_rope_store` and `paged_attention`, in
     one kernel. Returns (out (T, Hq, D), the residual stream), the same bits as theirs.
     `prefetch`: up to three weights the next kernel reads, asked of L2 (on CUDA with PDL)
-    once the qkv projection has read its own."""
+    once the qkv projection has read its own. `stages`: the qkv loop's pipeline depth, as
+    `gated_mlp_small_batch`'s."""
     if metadata.is_prefill:
         raise ValueError("decode_attention_block takes a decode step's metadata, got a prefill's")
     check_operands(x, qkv_weight, qkv_bias, x.shape[-1])
@@ -356,7 +358,7 @@ def decode_attention_block(
             FIRST=first,
             LAST=last,
             num_warps=qkv_tiling.config.num_warps,
-            num_stages=qkv_tiling.config.num_stages,
+            num_stages=stages or qkv_tiling.config.num_stages,
             **launch,
         )
     return out, residual_out

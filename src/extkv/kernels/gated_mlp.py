@@ -179,6 +179,7 @@ def gated_mlp_small_batch(
     down_weight: torch.Tensor,
     out_weight: torch.Tensor | None = None,
     prefetch: tuple[torch.Tensor, ...] = (),
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), the residual stream) for at most
     MAX_ROWS rows, no biases: gate_up_weight (2I, H), gate then up; down_weight (H, I).
@@ -186,7 +187,9 @@ def gated_mlp_small_batch(
     projection first: the rest of a decoder layer after its attention. The same bits as
     the GEMVs it replaces; the stream as theirs, a new tensor (without a residual, the
     MLP's input itself). `prefetch`: up to three weights the next kernel reads, asked of
-    L2 (on CUDA with PDL) while this one runs from it."""
+    L2 (on CUDA with PDL) while this one runs from it. `stages`: the GEMV loops' pipeline
+    depth (None: the GEMV's); fewer leave shared memory for the next kernel's programs to
+    start beside these (benchmarks/bench_persistent.py --stages sweeps it)."""
     check_operands(x, gate_up_weight if out_weight is None else out_weight, None, x.shape[-1])
     attn = None
     if out_weight is not None:
@@ -277,7 +280,7 @@ def gated_mlp_small_batch(
             FIRST=first,
             LAST=last,
             num_warps=up.config.num_warps,
-            num_stages=up.config.num_stages,
+            num_stages=stages or up.config.num_stages,
             **launch,
         )
     return y, residual_out
