@@ -117,7 +117,7 @@ class Layers:
         out, _ = decode_attention_block(
             self.x, self.residual, self.norm, 1e-6, w["qkv"], None, self.positions,
             self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm, 1e-6, w["cache"][:, 0],
-            w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5, prefetch=prefetch, stages=stages,
+            w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5, prefetch=prefetch, num_stages=stages,
         )  # fmt: skip
         return out.view(out.shape[0], -1)
 

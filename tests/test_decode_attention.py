@@ -137,7 +137,7 @@ class Step:
             self.x, self.residual, self.norm_weight, 1e-6, self.qkv_weight, self.qkv_bias,
             self.positions, self.cos_sin, s.q_heads, s.kv_heads, self.q_norm, self.k_norm,
             1e-5, self.cache.k, self.cache.v, self.metadata, s.head_dim**-0.5, window,
-            stages=stages,
+            num_stages=stages,
         )  # fmt: skip
 
     def separate(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -252,7 +252,7 @@ def test_pipeline_depth_keeps_the_bits_gpu(stages: int) -> None:
     out_weight = (torch.randn(1024, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
     args = (attn, x, norm_weight, 1e-6, gate_up, down, out_weight)
     expected = gated_mlp_small_batch(*args)
-    assert all(map(torch.equal, gated_mlp_small_batch(*args, stages=stages), expected))
+    assert all(map(torch.equal, gated_mlp_small_batch(*args, num_stages=stages), expected))
 
 
 @pytest.mark.gpu

@@ -27,7 +27,12 @@ from extkv.kernels.gemv import (
     prefetch_tile,
     split_scratch,
 )
-from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, one_launch, persistent_grid
+from extkv.kernels.grid_barrier import (
+    barrier_counter,
+    grid_barrier,
+    persistent_grid,
+    stage_launches,
+)
 from extkv.kernels.paged_attention import (
     DECODE_TILES,
     LOG2E,
@@ -229,13 +234,13 @@ def decode_attention_block(
     scale: float,
     sliding_window: int | None = None,
     prefetch: tuple[torch.Tensor, ...] = (),
-    stages: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's (one token per sequence, at most MAX_ROWS) attention sublayer:
     `rms_norm_linear_small_batch` to qkv, `qk_norm_rope_store` and `paged_attention`, in
     one kernel. Returns (out (T, Hq, D), the residual stream), the same bits as theirs.
     `prefetch`: up to three weights the next kernel reads, asked of L2 (on CUDA with PDL)
-    once the qkv projection has read its own. `stages`: the qkv loop's pipeline depth, as
+    once the qkv projection has read its own. `num_stages`: the qkv loop's pipeline depth, as
     `gated_mlp_small_batch`'s."""
     if metadata.is_prefill:
         raise ValueError("decode_attention_block takes a decode step's metadata, got a prefill's")
@@ -277,11 +282,8 @@ def decode_attention_block(
     grid = persistent_grid(widest, num_sms(x.device))
     launch = pdl_launch(x.device)
     stages = (QKV, PREPARE, ATTEND, MERGE) if splits > 1 else (QKV, PREPARE, ATTEND)
-    launches = [(stages[0], stages[-1])]
-    if not one_launch(x.device):
-        launches = [(stage, stage) for stage in stages]
     has_qk_norm = q_norm_weight is not None
-    for first, last in launches:
+    for first, last in stage_launches(stages, x.device):
         _decode_attention_kernel[(grid,)](
             x,
             x if residual is None else residual,  # never read without HAS_RESIDUAL
@@ -358,7 +360,7 @@ def decode_attention_block(
             FIRST=first,
             LAST=last,
             num_warps=qkv_tiling.config.num_warps,
-            num_stages=stages or qkv_tiling.config.num_stages,
+            num_stages=num_stages or qkv_tiling.config.num_stages,
             **launch,
         )
     return out, residual_out

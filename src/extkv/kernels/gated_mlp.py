@@ -28,7 +28,12 @@ from extkv.kernels.gemv import (
     prefetch_tile,
     split_scratch,
 )
-from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, one_launch, persistent_grid
+from extkv.kernels.grid_barrier import (
+    barrier_counter,
+    grid_barrier,
+    persistent_grid,
+    stage_launches,
+)
 from extkv.kernels.pdl import (
     next_weights,
     pdl_launch,
@@ -179,7 +184,7 @@ def gated_mlp_small_batch(
     down_weight: torch.Tensor,
     out_weight: torch.Tensor | None = None,
     prefetch: tuple[torch.Tensor, ...] = (),
-    stages: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), the residual stream) for at most
     MAX_ROWS rows, no biases: gate_up_weight (2I, H), gate then up; down_weight (H, I).
@@ -187,7 +192,7 @@ def gated_mlp_small_batch(
     projection first: the rest of a decoder layer after its attention. The same bits as
     the GEMVs it replaces; the stream as theirs, a new tensor (without a residual, the
     MLP's input itself). `prefetch`: up to three weights the next kernel reads, asked of
-    L2 (on CUDA with PDL) while this one runs from it. `stages`: the GEMV loops' pipeline
+    L2 (on CUDA with PDL) while this one runs from it. `num_stages`: the GEMV loops' pipeline
     depth (None: the GEMV's); fewer leave shared memory for the next kernel's programs to
     start beside these (benchmarks/bench_persistent.py --stages sweeps it)."""
     check_operands(x, gate_up_weight if out_weight is None else out_weight, None, x.shape[-1])
@@ -222,10 +227,7 @@ def gated_mlp_small_batch(
     launch = pdl_launch(x.device)
     grid = persistent_grid(max(out.items, up.items, down.items), num_sms(x.device))
     stages = (OUT_PROJ, GATE_UP, DOWN) if attn is not None else (GATE_UP, DOWN)
-    launches = [(stages[0], stages[-1])]
-    if not one_launch(x.device):
-        launches = [(stage, stage) for stage in stages]
-    for first, last in launches:
+    for first, last in stage_launches(stages, x.device):
         _gated_mlp_kernel[(grid,)](
             x if attn is None else attn,  # never read without OUT_PROJ
             gate_up_weight if out_weight is None else out_weight,
@@ -280,7 +282,7 @@ def gated_mlp_small_batch(
             FIRST=first,
             LAST=last,
             num_warps=up.config.num_warps,
-            num_stages=stages or up.config.num_stages,
+            num_stages=num_stages or up.config.num_stages,
             **launch,
         )
     return y, residual_out

@@ -56,10 +56,12 @@ def barrier_counter(owner: str, device: torch.device, num_programs: int) -> torc
     return counter
 
 
-def one_launch(device: torch.device) -> bool:
-    """Whether a persistent kernel runs its stages in one launch with barriers (CUDA),
-    or launches once per stage (the interpreter: see the module's docstring)."""
-    return device.type == "cuda"
+def stage_launches(stages: tuple, device: torch.device) -> list[tuple]:
+    """(FIRST, LAST) of each launch of a persistent kernel running `stages` in order: all
+    of them in one launch on CUDA, one stage a launch in the interpreter (see above)."""
+    if device.type == "cuda":
+        return [(stages[0], stages[-1])]
+    return [(stage, stage) for stage in stages]
 
 
 def persistent_grid(work_items: int, num_sms: int) -> int:
