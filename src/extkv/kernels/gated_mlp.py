@@ -1,11 +1,13 @@
-"""A decode step's gated MLP in one persistent kernel: RMSNorm(x + residual), gate_up,
-silu(gate) * up and down, with a grid barrier where two GEMV kernels had a boundary.
+"""The rest of a decode layer after its attention in one persistent kernel: the output
+projection (optional), RMSNorm(x + residual) and gate_up, silu(gate) * up and down,
+with a grid barrier where separate GEMV kernels had a boundary.
 
-Both stages are the small-batch GEMV's (`gemv_tile`, the same tiling and the same order
-of every sum), so the outputs are those of `rms_norm_linear_small_batch` then
-`silu_and_mul_linear_small_batch`, bit for bit. What goes is the boundary between them:
-every program first asks L2 for its slices of both weights, so the down projection's
-slice streams in while gate_up runs and while the barrier waits.
+Every stage is the small-batch GEMV's (`gemv_tile`, the same tiling and the same order
+of every sum), so the outputs are those of `linear_small_batch`,
+`rms_norm_linear_small_batch` and `silu_and_mul_linear_small_batch`, bit for bit. What
+goes is the boundaries: every program first asks L2 for its slice of each stage's
+weight, then for its share of the next kernel's (`prefetch`), which stream in while
+the stages wait on latency.
 """
 
 from __future__ import annotations

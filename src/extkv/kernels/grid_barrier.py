@@ -11,6 +11,8 @@ program per SM (`persistent_grid`). Programs of the kernel before may still hold
 when it starts; they finish on their own, so the kernel's programs all get one. PDL
 lets the kernel after start only once every program of this one has passed
 `wait_for_previous_grid`, so it never takes the place of one that has not started.
+(The kernel assumes the whole GPU: under MPS with fewer SMs than the device reports, its
+programs would not all be resident.)
 
 The Triton interpreter runs programs one after another, so a barrier there would wait
 forever: off CUDA a persistent kernel launches once per stage instead.
