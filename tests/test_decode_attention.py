@@ -9,6 +9,7 @@ GPU tests run its one launch, barriers included, eagerly and replayed in a CUDA 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Callable
@@ -197,6 +198,14 @@ def test_bad_inputs_are_refused() -> None:
     step = Step.random(SMALL[0], 2, "split", torch.float32, "cpu", 4)
     step.cos_sin = step.cos_sin[:, :3]
     with pytest.raises(ValueError, match="cos_sin_cache must be"):
+        step.fused()
+    step = Step.random(SMALL[1], 2, "split", torch.float32, "cpu", 4)  # 6 q heads, 2 KV heads
+    step.shape = dataclasses.replace(step.shape, kv_heads=4)
+    with pytest.raises(ValueError, match=re.escape("num_q_heads (6) must be a multiple of")):
+        step.fused()
+    step = Step.random(SMALL[0], 2, "split", torch.float32, "cpu", 4)
+    step.metadata.block_tables = step.metadata.block_tables.t().contiguous().t()
+    with pytest.raises(ValueError, match="block_tables must have contiguous rows"):
         step.fused()
 
 

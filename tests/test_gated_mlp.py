@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from extkv.kernels import pdl
 from extkv.kernels.gated_mlp import gated_mlp_small_batch
 from extkv.kernels.gemv import (
     MAX_ROWS,
@@ -158,6 +159,20 @@ def test_persistent_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXTKV_PERSISTENT", "yes")
     with pytest.raises(ValueError, match=r"EXTKV_PERSISTENT must be 0 .* or 1 .*, got 'yes'"):
         ops.persistent_decode()
+
+
+def test_next_weights_fit_half_of_l2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persistent kernel asks L2 for the leading next weights that fit in half of it
+    together, none after the first that does not; off CUDA (no L2 known) for none."""
+    weights = tuple(torch.empty(n, dtype=torch.uint8) for n in (20, 20, 20))
+    addresses = [w.data_ptr() for w in weights]
+    assert pdl.next_weights(weights) == ([0] * 6, 0)
+    monkeypatch.setattr(pdl, "_l2_bytes", lambda device: 100)
+    assert pdl.next_weights(weights) == ([addresses[0], 20, addresses[1], 20, 0, 0], 2)
+    big = torch.empty(60, dtype=torch.uint8)
+    assert pdl.next_weights((big, *weights[:2]))[1] == 0
+    with pytest.raises(ValueError, match="at most 3 next weights, got 4"):
+        pdl.next_weights((*weights, big))
 
 
 # ---------------------------------------------------------------- CPU: Triton interpreter

@@ -247,6 +247,13 @@ def decode_attention_block(
     check_operands(x, qkv_weight, qkv_bias, x.shape[-1])
     check_norm_operands(x, residual, norm_weight)
     head_dim = k_cache.shape[-1]
+    if num_q_heads % num_kv_heads or k_cache.shape[2] != num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}), "
+            f"the caches' third dimension (got {k_cache.shape[2]})"
+        )
+    if metadata.block_tables.stride(1) != 1:
+        raise ValueError("metadata.block_tables must have contiguous rows (stride(1) == 1)")
     heads_width = (num_q_heads + 2 * num_kv_heads) * head_dim
     if qkv_weight.shape[0] != heads_width:
         raise ValueError(
@@ -283,6 +290,7 @@ def decode_attention_block(
     launch = pdl_launch(x.device)
     stages = (QKV, PREPARE, ATTEND, MERGE) if splits > 1 else (QKV, PREPARE, ATTEND)
     has_qk_norm = q_norm_weight is not None
+    next_addresses, next_count = next_weights(prefetch)
     for first, last in stage_launches(stages, x.device):
         _decode_attention_kernel[(grid,)](
             x,
@@ -310,7 +318,7 @@ def decode_attention_block(
             metadata.cu_seqlens_q,
             barrier_counter("decode_attention", x.device, grid),
             qkv_weight.data_ptr(),
-            *next_weights(prefetch),
+            *next_addresses,
             num_rows,
             num_seqs,
             x.shape[1],
@@ -356,7 +364,7 @@ def decode_attention_block(
             NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(x.dtype),
             PREFETCH=launch["USE_PDL"],
-            NUM_NEXT=len(prefetch),
+            NUM_NEXT=next_count,
             FIRST=first,
             LAST=last,
             num_warps=qkv_tiling.config.num_warps,

@@ -229,6 +229,7 @@ def gated_mlp_small_batch(
     launch = pdl_launch(x.device)
     grid = persistent_grid(max(out.items, up.items, down.items), num_sms(x.device))
     stages = (OUT_PROJ, GATE_UP, DOWN) if attn is not None else (GATE_UP, DOWN)
+    next_addresses, next_count = next_weights(prefetch)
     for first, last in stage_launches(stages, x.device):
         _gated_mlp_kernel[(grid,)](
             x if attn is None else attn,  # never read without OUT_PROJ
@@ -247,7 +248,7 @@ def gated_mlp_small_batch(
             (gate_up_weight if out_weight is None else out_weight).data_ptr(),
             gate_up_weight.data_ptr(),
             down_weight.data_ptr(),
-            *next_weights(prefetch),
+            *next_addresses,
             num_rows,
             0 if attn is None else attn.shape[1],
             hidden,
@@ -280,7 +281,7 @@ def gated_mlp_small_batch(
             DOWN_LINE=down.line_elements,
             DOT_PRECISION=dot_precision(x.dtype),
             PREFETCH=launch["USE_PDL"],
-            NUM_NEXT=len(prefetch),
+            NUM_NEXT=next_count,
             FIRST=first,
             LAST=last,
             num_warps=up.config.num_warps,

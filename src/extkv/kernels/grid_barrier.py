@@ -12,7 +12,8 @@ when it starts; they finish on their own, so the kernel's programs all get one. 
 lets the kernel after start only once every program of this one has passed
 `wait_for_previous_grid`, so it never takes the place of one that has not started.
 (The kernel assumes the whole GPU: under MPS with fewer SMs than the device reports, its
-programs would not all be resident.)
+programs would not all be resident. And one stream: two launches of the same kernel and
+grid running at once on two streams would share a barrier counter.)
 
 The Triton interpreter runs programs one after another, so a barrier there would wait
 forever: off CUDA a persistent kernel launches once per stage instead.

@@ -91,14 +91,31 @@ def prefetch_share(address, num_bytes, pid, programs, LINES: tl.constexpr):
 MAX_NEXT_WEIGHTS = 3
 
 
-def next_weights(weights: tuple[torch.Tensor, ...]) -> list[int]:
-    """The (address, bytes) pairs of up to MAX_NEXT_WEIGHTS weights, zeros for the rest:
-    the arguments of `prefetch_next_weights`."""
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def next_weights(weights: tuple[torch.Tensor, ...]) -> tuple[list[int], int]:
+    """(arguments, count) of `prefetch_next_weights`: the (address, bytes) pairs of the
+    first of up to MAX_NEXT_WEIGHTS `weights` that fit in half of L2 together (what a
+    persistent kernel can ask L2 for without pushing out what it reads itself; a large
+    model's projections do not fit, and get none), zeros for the rest."""
     if len(weights) > MAX_NEXT_WEIGHTS:
         raise ValueError(f"at most {MAX_NEXT_WEIGHTS} next weights, got {len(weights)}")
-    pairs = [(w.data_ptr(), w.numel() * w.element_size()) for w in weights]
-    pairs += [(0, 0)] * (MAX_NEXT_WEIGHTS - len(weights))
-    return [value for pair in pairs for value in pair]
+    room = _l2_bytes(weights[0].device) // 2 if weights else 0
+    pairs = []
+    for weight in weights:
+        size = weight.numel() * weight.element_size()
+        if size > room:
+            break
+        pairs.append((weight.data_ptr(), size))
+        room -= size
+    count = len(pairs)
+    pairs += [(0, 0)] * (MAX_NEXT_WEIGHTS - count)
+    return [value for pair in pairs for value in pair], count
 
 
 @triton.jit
