@@ -8,15 +8,18 @@ GPU tests run its one launch, barrier included, eagerly and replayed in a CUDA g
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from extkv.demo import make_random_checkpoint
 from extkv.kernels import pdl
 from extkv.kernels.gated_mlp import gated_mlp_small_batch
 from extkv.kernels.gemv import (
@@ -27,7 +30,7 @@ from extkv.kernels.gemv import (
     silu_and_mul_linear_small_batch,
 )
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
-from extkv.models import ops
+from extkv.models import load_model, ops
 from helpers import (
     interpreter_dots_bf16_as_numbers,
     interpreter_rounds_bf16_to_nearest,
@@ -173,6 +176,18 @@ def test_next_weights_fit_half_of_l2(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.next_weights((big, *weights[:2]))[1] == 0
     with pytest.raises(ValueError, match="at most 3 next weights, got 4"):
         pdl.next_weights((*weights, big))
+
+
+def test_each_layer_prefetches_the_next_layers_qkv(tmp_path: Path) -> None:
+    """A decoder layer whose output projection runs in its MLP's kernel asks L2, from that
+    kernel, for the next layer's qkv weight (the one that layer reads first); the last
+    layer for nothing."""
+    folder = make_random_checkpoint(tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=3)
+    layers = load_model(folder, torch.float32, torch.device("cpu"))[0].model.layers
+    assert all(layer.fuses_out_proj() for layer in layers)
+    for layer, following in itertools.pairwise(layers):
+        assert layer.prefetch_next == (following.self_attn.qkv_proj.weight,)
+    assert layers[-1].prefetch_next == ()
 
 
 # ---------------------------------------------------------------- CPU: Triton interpreter

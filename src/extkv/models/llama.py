@@ -7,6 +7,7 @@ cache) in the forward context.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -175,7 +176,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = embed_scale
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        for layer, following in zip(self.layers, self.layers[1:], strict=False):
+        for layer, following in itertools.pairwise(self.layers):
             both = isinstance(layer, DecoderLayer) and isinstance(following, DecoderLayer)
             if both and following.fuses_out_proj():
                 layer.prefetch_next = (following.self_attn.qkv_proj.weight,)
