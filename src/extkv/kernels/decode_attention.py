@@ -37,10 +37,11 @@ from extkv.kernels.paged_attention import (
     DECODE_TILES,
     LOG2E,
     NO_WINDOW,
+    GroupTiling,
     attention_tile,
-    decode_splits,
-    fit_tiles,
+    decode_key_splits,
     merge_splits_tile,
+    split_partials,
 )
 from extkv.kernels.pdl import (
     next_weights,
@@ -271,17 +272,10 @@ def decode_attention_block(
     q = torch.empty_like(out)
     qkv_tiling = Tiling.of(qkv_weight)
     partials, arrivals = split_scratch(qkv, qkv_tiling)
-    block_size, table_width = k_cache.shape[1], metadata.block_tables.shape[1]
-    seen = min(table_width * block_size, sliding_window or NO_WINDOW)
-    splits = decode_splits(num_seqs, num_kv_heads, seen, x.device)
-    group_p2 = triton.next_power_of_2(num_q_heads // num_kv_heads)
-    head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
-    block_m = max(DECODE_TILES.block_m, group_p2)
-    tiles = fit_tiles(DECODE_TILES, block_m, head_dim_p2, x.element_size(), x.device)
-    part_out = part_lse = out  # never touched with a single split
-    if splits > 1:
-        part_out = x.new_empty((num_rows, num_q_heads, splits, head_dim), dtype=torch.float32)
-        part_lse = x.new_empty((num_rows, num_q_heads, splits), dtype=torch.float32)
+    block_size = k_cache.shape[1]
+    splits = decode_key_splits(metadata, block_size, num_kv_heads, sliding_window, x.device)
+    shape = GroupTiling.of(DECODE_TILES, num_q_heads, num_kv_heads, head_dim, x)
+    part_out, part_lse = split_partials(out, num_q_heads, splits)
     rope_dim_p2, heads = tile_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = triton.cdiv(num_q_heads, heads)
     prepare_items = num_rows * (q_tiles + triton.cdiv(num_kv_heads, heads))
@@ -350,17 +344,17 @@ def decode_attention_block(
             NUM_Q_HEADS=num_q_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            HEAD_DIM_P2=head_dim_p2,
+            HEAD_DIM_P2=shape.head_dim_p2,
             ROPE_DIM_P2=rope_dim_p2,
             ROTARY_DIM=cos_sin_cache.shape[1],
             HEADS=heads,
             Q_TILES=q_tiles,
             HAS_QK_NORM=has_qk_norm,
             BLOCK_SIZE=block_size,
-            GROUP_P2=group_p2,
-            ATTEND_BLOCK_M=block_m,
-            ATTEND_BLOCK_N=tiles.block_n,
-            ATTEND_STAGES=tiles.num_stages,
+            GROUP_P2=shape.group_p2,
+            ATTEND_BLOCK_M=shape.block_m,
+            ATTEND_BLOCK_N=shape.tiles.block_n,
+            ATTEND_STAGES=shape.tiles.num_stages,
             NUM_SPLITS=splits,
             DOT_PRECISION=dot_precision(x.dtype),
             PREFETCH=launch["USE_PDL"],

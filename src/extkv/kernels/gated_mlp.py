@@ -197,7 +197,8 @@ def gated_mlp_small_batch(
     L2 (on CUDA with PDL) while this one runs from it. `num_stages`: the GEMV loops' pipeline
     depth (None: the GEMV's); fewer leave shared memory for the next kernel's programs to
     start beside these (benchmarks/bench_persistent.py --stages sweeps it)."""
-    check_operands(x, gate_up_weight if out_weight is None else out_weight, None, x.shape[-1])
+    first_weight = gate_up_weight if out_weight is None else out_weight  # what x meets
+    check_operands(x, first_weight, None, x.shape[-1])
     attn = None
     if out_weight is not None:
         attn, x = x, x.new_empty(x.shape[0], out_weight.shape[0])
@@ -233,7 +234,7 @@ def gated_mlp_small_batch(
     for first, last in stage_launches(stages, x.device):
         _gated_mlp_kernel[(grid,)](
             x if attn is None else attn,  # never read without OUT_PROJ
-            gate_up_weight if out_weight is None else out_weight,
+            first_weight,  # the output projection's, read by OUT_PROJ only
             x,
             x if residual is None else residual,  # never read without HAS_RESIDUAL
             norm_weight,
@@ -245,7 +246,7 @@ def gated_mlp_small_batch(
             partials,
             arrivals,
             barrier_counter("gated_mlp", x.device, grid),
-            (gate_up_weight if out_weight is None else out_weight).data_ptr(),
+            first_weight.data_ptr(),
             gate_up_weight.data_ptr(),
             down_weight.data_ptr(),
             *next_addresses,

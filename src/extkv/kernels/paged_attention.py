@@ -399,6 +399,55 @@ def decode_splits(
     return splits
 
 
+def decode_key_splits(
+    metadata: AttentionMetadata,
+    block_size: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> int:
+    """`decode_splits` of a decode step: its sequences, and the keys a query sees at most
+    (the block table's width, or the window)."""
+    num_seqs, table_width = metadata.block_tables.shape
+    seen = min(table_width * block_size, sliding_window or NO_WINDOW)
+    return decode_splits(num_seqs, num_kv_heads, seen, device)
+
+
+@dataclass(frozen=True)
+class GroupTiling:
+    """How the attention kernel tiles a KV head's group of query heads: the group and its
+    power of two, the head dim's (tl.dot needs K >= 16), the rows of a program, and
+    `tiles` cut to fit the device's shared memory."""
+
+    group: int
+    group_p2: int
+    head_dim_p2: int
+    block_m: int
+    tiles: Tiles
+
+    @classmethod
+    def of(
+        cls, tiles: Tiles, num_q_heads: int, num_kv_heads: int, head_dim: int, query: torch.Tensor
+    ) -> GroupTiling:
+        """For `query`'s dtype and device."""
+        group = num_q_heads // num_kv_heads
+        group_p2 = triton.next_power_of_2(group)
+        block_m = max(tiles.block_m, group_p2)
+        head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
+        fitted = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
+        return cls(group, group_p2, head_dim_p2, block_m, fitted)
+
+
+def split_partials(out: torch.Tensor, num_q_heads: int, splits: int) -> tuple[torch.Tensor, ...]:
+    """(partial outputs, their log-sum-exps) in fp32 for `splits` key splits of `out`'s
+    (T, Hq, D) rows; `out` stands in for both (never touched) with a single split."""
+    if splits == 1:
+        return out, out
+    num_tokens, head_dim = out.shape[0], out.shape[-1]
+    part_out = out.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
+    return part_out, out.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -426,27 +475,24 @@ def paged_attention(
     if num_tokens == 0:
         return out
     key_bounds = metadata.key_bounds if metadata.is_prefill else None
-    num_seqs, table_width = metadata.block_tables.shape
+    num_seqs = metadata.block_tables.shape[0]
     assert metadata.block_tables.stride(1) == 1, "block table rows must be contiguous"
     if metadata.is_prefill:
         tiles, splits, max_q_len = tiles or PREFILL_TILES, 1, metadata.max_seqlen_q
     else:
         tiles, max_q_len = tiles or DECODE_TILES, 1
-        seen = min(table_width * block_size, sliding_window or NO_WINDOW)  # keys per query
-        splits = num_splits or decode_splits(num_seqs, num_kv_heads, seen, query.device)
+        splits = num_splits or decode_key_splits(
+            metadata, block_size, num_kv_heads, sliding_window, query.device
+        )
         assert splits & (splits - 1) == 0, "num_splits must be a power of two"
-    group = num_q_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
-    block_m = max(tiles.block_m, group_p2)
-    head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs K >= 16
-
-    tiles = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
-
-    part_out = part_lse = out  # placeholders, unused when there is a single split
-    if splits > 1:
-        part_out = query.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
-        part_lse = query.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
-    grid = (triton.cdiv(max_q_len, block_m // group_p2) * splits, num_seqs, num_kv_heads)
+    shape = GroupTiling.of(tiles, num_q_heads, num_kv_heads, head_dim, query)
+    tiles = shape.tiles
+    part_out, part_lse = split_partials(out, num_q_heads, splits)
+    grid = (
+        triton.cdiv(max_q_len, shape.block_m // shape.group_p2) * splits,
+        num_seqs,
+        num_kv_heads,
+    )
     _paged_attention_kernel[grid](
         out,
         part_out,
@@ -466,12 +512,12 @@ def paged_attention(
         *v_cache.stride(),
         *out.stride(),
         metadata.block_tables.stride(0),
-        GROUP=group,
-        GROUP_P2=group_p2,
+        GROUP=shape.group,
+        GROUP_P2=shape.group_p2,
         HEAD_DIM=head_dim,
-        HEAD_DIM_P2=head_dim_p2,
+        HEAD_DIM_P2=shape.head_dim_p2,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
+        BLOCK_M=shape.block_m,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
         UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
@@ -490,7 +536,7 @@ def paged_attention(
             num_q_heads,
             *out.stride(),
             HEAD_DIM=head_dim,
-            HEAD_DIM_P2=head_dim_p2,
+            HEAD_DIM_P2=shape.head_dim_p2,
             NUM_SPLITS=splits,
             **pdl_launch(query.device),
         )

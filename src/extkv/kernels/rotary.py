@@ -195,7 +195,7 @@ def qk_norm_rope_store_tile(
             tl.store(v_dst + dim * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=live)
 
 
-def check_shapes(
+def _check_shapes(
     qkv: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
     """qkv (T, num_heads * head_dim) with contiguous columns; see `check_rotary_table`."""
@@ -247,7 +247,7 @@ def qk_norm_rope_store(
     cos_sin_cache (max_position, rotary_dim): cos then sin of each frequency, fp32.
     """
     head_dim = k_cache.shape[-1]
-    check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
+    _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
     wanted = (num_tokens, num_kv_heads, head_dim)
     if keys is not None and (tuple(keys.shape) != wanted or keys.stride(2) != 1):

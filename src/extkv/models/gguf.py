@@ -87,7 +87,9 @@ def gguf_tensors(
     entry = cache_entry(path)
     weights = f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
     if entry is not None and (entry / weights).is_file():
-        logger.info("Reading %s's weights, dequantized before, from %s.", _name(path), entry)
+        logger.info(
+            "Reading %s's weights, dequantized before, from %s.", os.path.basename(path), entry
+        )
         return load_file(entry / weights)
     tensors = _dequantized(path, config, dtype)
     if entry is not None:
@@ -121,7 +123,7 @@ def _dequantized(
 
     with torch.device("meta"):
         names_only = AutoModelForCausalLM.from_config(config)
-    logger.info("Dequantizing %s to %s.", _name(path), dtype)
+    logger.info("Dequantizing %s to %s.", os.path.basename(path), dtype)
     parsed = load_gguf_checkpoint(
         path, return_tensors=True, model_to_load=names_only, torch_dtype=dtype
     )
@@ -150,7 +152,3 @@ def _keep(entry: Path, write: Callable[[str], object], last: str) -> None:
         return
     size = sum(f.stat().st_size for f in entry.iterdir()) / 2**30
     logger.info("Kept %s in %s (%.2f GiB in all) for later loads.", last, entry, size)
-
-
-def _name(path: str) -> str:
-    return os.path.basename(path)

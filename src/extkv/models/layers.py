@@ -247,9 +247,7 @@ class GatedMLP(nn.Module):
         return self.gate_up_proj.weight, self.down_proj.weight
 
     def _weights(self, norm: RMSNorm) -> ops.GatedMLPWeights:
-        return ops.GatedMLPWeights(
-            norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight
-        )
+        return ops.GatedMLPWeights(norm.weight, norm.eps, *self.weights())
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of x as it is, no norm before, and this rank's share of it
