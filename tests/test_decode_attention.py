@@ -207,6 +207,8 @@ def test_bad_inputs_are_refused() -> None:
     step.metadata.block_tables = step.metadata.block_tables.t().contiguous().t()
     with pytest.raises(ValueError, match="block_tables must have contiguous rows"):
         step.fused()
+    with pytest.raises(ValueError, match="num_stages must be a positive int or None, got 0"):
+        Step.random(SMALL[0], 2, "split", torch.float32, "cpu", 4).fused(stages=0)
 
 
 # ---------------------------------------------------------------- CPU: Triton interpreter

@@ -128,6 +128,9 @@ def test_bad_inputs_are_refused() -> None:
     for args, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             gated_mlp_small_batch(*args)
+    for stages in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="num_stages must be a positive int or None"):
+            gated_mlp_small_batch(x, None, norm_weight, 1e-6, gate_up, down, num_stages=stages)
     attn, out_weight = torch.randn(2, 32), torch.randn(64, 32)
     with pytest.raises(ValueError, match="weight \\(N, K\\)"):
         gated_mlp_small_batch(attn, None, norm_weight, 1e-6, gate_up, down, out_weight.t())

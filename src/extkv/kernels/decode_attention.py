@@ -29,6 +29,7 @@ from extkv.kernels.gemv import (
 )
 from extkv.kernels.grid_barrier import (
     barrier_counter,
+    check_num_stages,
     grid_barrier,
     persistent_grid,
     stage_launches,
@@ -243,6 +244,7 @@ def decode_attention_block(
     `prefetch`: up to three weights the next kernel reads, asked of L2 (on CUDA with PDL)
     once the qkv projection has read its own. `num_stages`: the qkv loop's pipeline depth, as
     `gated_mlp_small_batch`'s."""
+    check_num_stages(num_stages)
     if metadata.is_prefill:
         raise ValueError("decode_attention_block takes a decode step's metadata, got a prefill's")
     check_operands(x, qkv_weight, qkv_bias, x.shape[-1])

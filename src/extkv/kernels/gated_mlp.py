@@ -32,6 +32,7 @@ from extkv.kernels.gemv import (
 )
 from extkv.kernels.grid_barrier import (
     barrier_counter,
+    check_num_stages,
     grid_barrier,
     persistent_grid,
     stage_launches,
@@ -197,6 +198,7 @@ def gated_mlp_small_batch(
     L2 (on CUDA with PDL) while this one runs from it. `num_stages`: the GEMV loops' pipeline
     depth (None: the GEMV's); fewer leave shared memory for the next kernel's programs to
     start beside these (benchmarks/bench_persistent.py --stages sweeps it)."""
+    check_num_stages(num_stages)
     first_weight = gate_up_weight if out_weight is None else out_weight  # what x meets
     check_operands(x, first_weight, None, x.shape[-1])
     attn = None

@@ -67,6 +67,12 @@ def stage_launches(stages: tuple, device: torch.device) -> list[tuple]:
     return [(stage, stage) for stage in stages]
 
 
+def check_num_stages(num_stages: int | None) -> None:
+    """A persistent kernel's pipeline depth: None (its GEMV's) or a positive int."""
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
+
+
 def persistent_grid(work_items: int, num_sms: int) -> int:
     """Programs of a persistent kernel: one per work item of its widest stage, at most one
     per SM so that all of them are resident together (the barrier's condition)."""
