@@ -1,22 +1,17 @@
-"""The persistent decode kernels against the kernels they replace, on Qwen3-0.6B's layer
-shape, and what one grid barrier costs.
+"""The batch-1 MLP kernel with its weights in registers against the GEMVs it replaces,
+on Qwen3-0.6B's layer shape, and what one grid barrier costs.
 
-    python benchmarks/bench_persistent.py [--rows 1 16] [--context 512] [--json OUT]
+    python benchmarks/bench_persistent.py [--context 512] [--json OUT]
 
 - `barrier`: microseconds per `grid_barrier` on every SM (a kernel of 256 of them).
-- `mlp`: the rest of a layer after attention, `gated_mlp_small_batch` with the output
+- `mlp`: the rest of a layer after attention, `gated_mlp_one_row` with the output
   projection (one kernel) against the three GEMVs (o_proj, norm + gate_up, SiLU + down).
-- `attention`: `decode_attention_block` (one kernel) against the norm + qkv GEMV,
-  `qk_norm_rope_store` and `paged_attention` (split keys and their merge), each
-  sequence `--context` tokens long.
-- `layer`: both, as the decode step runs them: the attention kernel asking L2 for the
-  MLP's weights, the MLP kernel for the next layer's qkv weight; against the 7 kernels.
-  `--stages` repeats it with the persistent kernels' GEMV loops that many stages deep
-  (fewer stages leave shared memory for the next kernel's programs to start beside).
+- `layer`: the attention sublayer's four kernels (norm + qkv GEMV, q/k norm + rotary + KV
+  store, split attention and its merge over `--context` tokens) then the MLP either way.
 
-Each sublayer runs as a CUDA graph over 28 layers' own weights and caches (none served
-from L2 by the layer before), as in the decode step; `us` is per layer. Run it with
-EXTKV_PDL=0 as well to see the kernels without programmatic dependent launch.
+Each runs as a CUDA graph over 28 layers' own weights and caches (none served from L2
+by the layer before), as in the decode step; `us` is per layer. Run it with EXTKV_PDL=0
+as well to see the kernels without programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ import triton.language as tl
 from _common import write_json
 from bench_gemv import graph_time_us
 from extkv.attention import AttentionMetadata
-from extkv.kernels.decode_attention import decode_attention_block
-from extkv.kernels.gated_mlp import gated_mlp_small_batch
+from extkv.kernels.gated_mlp import gated_mlp_one_row
 from extkv.kernels.gemv import (
     linear_small_batch,
     num_sms,
@@ -74,9 +68,10 @@ def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
 
 
 class Layers:
-    """28 layers' own weights and KV caches, and one decode step's inputs to them."""
+    """28 layers' own weights and KV caches, and a batch-1 decode step's inputs to them."""
 
-    def __init__(self, rows: int, context: int) -> None:
+    def __init__(self, context: int) -> None:
+        rows = 1
         width = triton.cdiv(context, BLOCK_SIZE)
         tables = torch.arange(rows * width, dtype=torch.int32, device="cuda").view(rows, width)
         last = context - 1
@@ -110,17 +105,6 @@ class Layers:
             for _ in range(LAYERS)
         ]
 
-    def attention(
-        self, i: int, prefetch: tuple[torch.Tensor, ...] = (), stages: int | None = None
-    ) -> torch.Tensor:
-        w = self.weights[i]
-        out, _ = decode_attention_block(
-            self.x, self.residual, self.norm, 1e-6, w["qkv"], None, self.positions,
-            self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm, 1e-6, w["cache"][:, 0],
-            w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5, prefetch=prefetch, num_stages=stages,
-        )  # fmt: skip
-        return out.view(out.shape[0], -1)
-
     def attention_apart(self, i: int) -> torch.Tensor:
         w = self.weights[i]
         qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
@@ -131,18 +115,9 @@ class Layers:
         out = paged_attention(q, w["cache"][:, 0], w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5)
         return out.view(out.shape[0], -1)
 
-    def mlp(
-        self,
-        i: int,
-        attn: torch.Tensor,
-        prefetch: tuple[torch.Tensor, ...] = (),
-        stages: int | None = None,
-    ) -> None:
+    def mlp(self, i: int, attn: torch.Tensor) -> None:
         w = self.weights[i]
-        gated_mlp_small_batch(
-            attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"], prefetch,
-            stages,
-        )  # fmt: skip
+        gated_mlp_one_row(attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"])
 
     def mlp_apart(self, i: int, attn: torch.Tensor) -> None:
         w = self.weights[i]
@@ -150,40 +125,30 @@ class Layers:
         hidden, _ = rms_norm_linear_small_batch(x, self.residual, self.norm, 1e-6, w["gate_up"])
         silu_and_mul_linear_small_batch(hidden, w["down"])
 
-    def layer(self, i: int, stages: int | None = None) -> None:
-        w = self.weights[i]
-        attn = self.attention(i, (w["out"], w["gate_up"], w["down"]), stages)
-        self.mlp(i, attn, (self.weights[(i + 1) % LAYERS]["qkv"],), stages)
+    def layer(self, i: int) -> None:
+        self.mlp(i, self.attention_apart(i))
 
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
 
 
-def measure(rows: int, context: int, stages: list[int]) -> dict[str, dict[str, float]]:
-    """Per layer, each sublayer and the whole layer (at each of `stages` too):
-    {"fused": us, "apart": us}."""
-    layers = Layers(rows, context)
+def measure(context: int) -> dict[str, dict[str, float]]:
+    """Per layer at batch 1, the MLP and the whole layer: {"fused": us, "apart": us}."""
+    layers = Layers(context)
     cases = {
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
-        "attention": (layers.attention, layers.attention_apart),
         "layer": (layers.layer, layers.layer_apart),
     }
-    results = {
+    return {
         name: {"fused": graph_time_us(fused, LAYERS), "apart": graph_time_us(apart, LAYERS)}
         for name, (fused, apart) in cases.items()
     }
-    for depth in stages:
-        fused = graph_time_us(lambda i, d=depth: layers.layer(i, d), LAYERS)
-        results[f"layer stages={depth}"] = {"fused": fused, "apart": results["layer"]["apart"]}
-    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--stages", type=int, nargs="*", default=[4, 3, 2])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -191,14 +156,11 @@ def main() -> None:
     logger.info(
         "grid barrier on %d SMs: %.2f us", num_sms(torch.device("cuda")), results["barrier_us"]
     )
-    logger.info("%-18s %5s %10s %10s %7s", "sublayer", "rows", "fused us", "apart us", "ratio")
-    for rows in args.rows:
-        for name, us in measure(rows, args.context, args.stages).items():
-            results[f"{name} rows={rows}"] = us
-            ratio = us["fused"] / us["apart"]
-            logger.info(
-                "%-18s %5d %10.2f %10.2f %7.3f", name, rows, us["fused"], us["apart"], ratio
-            )
+    logger.info("%-10s %10s %10s %7s", "batch 1", "fused us", "apart us", "ratio")
+    for name, us in measure(args.context).items():
+        results[name] = us
+        ratio = us["fused"] / us["apart"]
+        logger.info("%-10s %10.2f %10.2f %7.3f", name, us["fused"], us["apart"], ratio)
     write_json(args.json, results)
 
 

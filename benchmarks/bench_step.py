@@ -245,12 +245,11 @@ def log_layer_table(kernels: list[dict], num_layers: int) -> None:
     """Log where a decoder layer's time goes: each kernel of a layer with its share of
     the step's critical path, the time from the previous kernel's end to its own (with
     PDL kernels overlap, so their durations do not add up; these do), averaged over the
-    layers but the first and last. A layer starts at the step's first GEMV or persistent
-    attention kernel (the decode GEMV's batches only: up to 16 rows)."""
+    layers but the first and last. A layer starts at the step's first GEMV (the decode
+    GEMV's batches only: up to 16 rows)."""
     ends = [k["ts"] + k["dur"] for k in kernels]
     shares = [ends[0] - kernels[0]["ts"], *(b - a for a, b in itertools.pairwise(ends))]
-    starts = ("gemv", "decode_attention")
-    first = next((i for i, k in enumerate(kernels) if any(s in k["name"] for s in starts)), None)
+    first = next((i for i, k in enumerate(kernels) if "gemv" in k["name"]), None)
     if first is None or num_layers < 3:
         logger.info("layer table: none (it needs 3+ layers and the GEMV: batches of <= 16)")
         return

@@ -13,8 +13,8 @@ attention over a step's own K/V (TMA descriptors or pointer loads, sliding windo
 dims 64 to 256 at the tiles fit for them; its dots on wgmma, its TMA loads there), the
 q/k norm + rotary + KV store kernel (with and without its k output), the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share, the fused MoE's kernels, the
-Mamba2 prefill's conv and chunked-scan kernels, and the persistent decode kernels (the
-attention sublayer; the output projection and MLP) at Qwen3's and SmolLM2's shapes.
+Mamba2 prefill's conv and chunked-scan kernels, and the batch-1 MLP kernel with its
+weights in registers at Qwen3's and SmolLM2's shapes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from triton.compiler import ASTSource
 from extkv.kernels import (
     activation,
     causal_conv,
-    decode_attention,
     fused_moe,
     gated_mlp,
     gemv,
@@ -320,62 +319,29 @@ def mamba_prefill_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, 
 
 
 def persistent_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
-    """The persistent decode kernels with all their stages (one launch, grid barriers):
-    the MLP with and without the output projection and the next layer's prefetch, the
-    attention sublayer at Qwen3-0.6B's heads (q/k norm, 16 key splits) and SmolLM2's
-    (GQA group 3, head dim 64, qkv bias, no split), at the GEMV's 6 stages and 4."""
+    """The batch-1 MLP kernel with all its stages (one launch, grid barriers) at the plans
+    of Qwen3-0.6B and SmolLM2-135M, with and without the output projection, bf16 and fp32
+    residual streams."""
     jobs = []
-    pointers = {"partial_ptr": "*fp32", "arrivals_ptr": "*i32", "barrier_ptr": "*i64"}
-    addresses = ("w_address", "next_address0", "next_address1", "next_address2")
-    for out_proj, residual, stages in itertools.product((True, False), ("bf16", "fp32"), (6, 4)):
-        names = inspect.signature(gated_mlp._gated_mlp_kernel.fn).parameters
-        types = {n: "*bf16" for n in names if n.endswith("_ptr")}
-        types.update(pointers, residual_ptr=f"*{residual}", residual_out_ptr=f"*{residual}")
-        types.update({n: "i64" for n in names if n.endswith(addresses)}, eps="fp32")
-        constexprs = dict(
-            HAS_RESIDUAL=True, BLOCK_N=64, BLOCK_M=16, OUT_BLOCK_K=128, OUT_SPLIT=8,
-            OUT_LINE=64, GATE_UP_BLOCK_K=128, GATE_UP_SPLIT=1, GATE_UP_LINE=64, K_CHUNKS=8,
-            DOWN_BLOCK_K=128, DOWN_SPLIT=8, DOWN_LINE=64, DOT_PRECISION="tf32", PREFETCH=True,
-            NUM_NEXT=1 if out_proj else 0, FIRST=0 if out_proj else 1, LAST=2, USE_PDL=True,
-        )  # fmt: skip
-        name = f"gated_mlp out_proj={out_proj:d} residual={residual} stages={stages}"
-        jobs.append(
-            (gated_mlp._gated_mlp_kernel, (name, types, constexprs), {"num_stages": stages})
-        )
-    shapes = {  # (q heads, kv heads, head dim, qk norm, qkv bias, key splits)
-        "qwen3": (16, 8, 128, True, False, 16),
-        "smollm2": (9, 3, 64, False, True, 1),
-    }
-    for (shape, (q, kv, dim, qk_norm, bias, splits)), stages in itertools.product(
-        shapes.items(), (6, 4)
+    names = inspect.signature(gated_mlp._gated_mlp_kernel.fn).parameters
+    shapes = {"qwen3": (1024, 3072, 2048), "smollm2": (576, 1536, 576)}
+    for (shape, (hidden, inner, width)), out_proj, residual in itertools.product(
+        shapes.items(), (True, False), ("bf16", "fp32")
     ):
-        names = inspect.signature(decode_attention._decode_attention_kernel.fn).parameters
+        plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132)
         types = {n: "*bf16" for n in names if n.endswith("_ptr")}
-        types.update(pointers, part_out_ptr="*fp32", part_lse_ptr="*fp32", cos_sin_ptr="*fp32")
-        types.update(dict.fromkeys(("positions_ptr", "slot_ptr"), "*i64"))
-        for n in ("block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"):
-            types[n] = "*i32"
-        types.update({n: "i64" for n in names if n.endswith(addresses)})
-        types.update(dict.fromkeys(("eps", "qk_eps", "qk_scale"), "fp32"))
-        group_p2 = triton.next_power_of_2(q // kv)
-        _, heads = rotary.tile_heads(q, kv, dim)
+        types.update(barrier_ptr="*i64", residual_ptr=f"*{residual}", stream_ptr=f"*{residual}")
+        types["eps"] = "fp32"
         constexprs = dict(
-            HAS_RESIDUAL=True, HAS_BIAS=bias, GEMV_BLOCK_N=64, GEMV_BLOCK_K=128, GEMV_BLOCK_M=16,
-            QKV_SPLIT=1, K_CHUNKS=8, LINE_ELEMENTS=64, NUM_Q_HEADS=q, NUM_KV_HEADS=kv,
-            HEAD_DIM=dim, HEAD_DIM_P2=dim, ROPE_DIM_P2=dim, ROTARY_DIM=dim, HEADS=heads,
-            Q_TILES=triton.cdiv(q, heads), HAS_QK_NORM=qk_norm, BLOCK_SIZE=16,
-            GROUP_P2=group_p2, ATTEND_BLOCK_M=max(16, group_p2), ATTEND_BLOCK_N=64,
-            ATTEND_STAGES=3, NUM_SPLITS=splits, DOT_PRECISION="tf32", PREFETCH=True,
-            NUM_NEXT=3, FIRST=0, LAST=3 if splits > 1 else 2, USE_PDL=True,
+            HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, RO1=plan.hidden_rows[0],
+            RO2=plan.hidden_rows[1], RI1=plan.inner_rows[0], RI2=plan.inner_rows[1],
+            KA1=plan.attn_k[0], KA2=plan.attn_k[1], KH1=plan.hidden_k[0], KH2=plan.hidden_k[1],
+            KI1=plan.inner_k[0], KI2=plan.inner_k[1], FIRST=0 if out_proj else 1, LAST=2,
+            USE_PDL=True,
         )  # fmt: skip
-        name = f"decode_attention {shape} splits={splits} stages={stages}"
-        jobs.append(
-            (
-                decode_attention._decode_attention_kernel,
-                (name, types, constexprs),
-                {"num_stages": stages},
-            )
-        )
+        name = f"gated_mlp {shape} out_proj={out_proj:d} residual={residual}"
+        options = {"num_warps": gated_mlp.NUM_WARPS}
+        jobs.append((gated_mlp._gated_mlp_kernel, (name, types, constexprs), options))
     return jobs
 
 

@@ -373,16 +373,16 @@ def decode_metadata(context_lens: list[int], block_size: int, width: int) -> Att
     )
 
 
-def decode_step_kernels(folder: Path, num_layers: int) -> Counter[str]:
-    """Device activities (kernels, copies, memsets) of one eager decode step at batch 4,
-    by name: the same kernels a captured graph replays."""
+def decode_step_kernels(folder: Path, num_layers: int, num_seqs: int) -> Counter[str]:
+    """Device activities (kernels, copies, memsets) of one eager decode step of `num_seqs`
+    (at most 4) sequences, by name: the same kernels a captured graph replays."""
     block_size, width = 16, 16
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     model = qwen3_shaped(folder, num_layers)
-    bind_cache(model, 4 * width, block_size)
-    context_lens = [5, 17, 100, 256]
+    bind_cache(model, num_seqs * width, block_size)
+    context_lens = [5, 17, 100, 256][-num_seqs:]
     metadata = decode_metadata(context_lens, block_size, width)
-    ids = torch.randint(0, 1024, (4,), device="cuda")
+    ids = torch.randint(0, 1024, (num_seqs,), device="cuda")
     positions = torch.tensor(context_lens, device="cuda") - 1
     with torch.inference_mode(), set_forward_context(ForwardContext((metadata,))):
         model(ids, positions)  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -406,17 +406,21 @@ def test_pending_tokens_gpu(rows: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("persistent", "most"), [("0", 7), ("1", 2)])
+@pytest.mark.parametrize(
+    ("persistent", "num_seqs", "most"), [("0", 1, 7), ("1", 4, 7), ("1", 1, 5)]
+)
 def test_decode_kernels_per_layer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, most: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, num_seqs: int, most: int
 ) -> None:
-    """Kernels per decoder layer. Separate (EXTKV_PERSISTENT=0), at most 7: qkv (norm +
-    residual add fused in), q/k norm + rotary + KV store, attention (2: split-K and
-    merge), o_proj, gate_up (norm + add fused in), down (SiLU*mul fused in). Persistent,
-    2: the attention sublayer and the rest. Counted as the difference between a 4- and a
-    2-layer model, so the embedding and final norm are left out."""
+    """Kernels per decoder layer. With the GEMVs, at most 7: qkv (norm + residual add
+    fused in), q/k norm + rotary + KV store, attention (2: split-K and merge), o_proj,
+    gate_up (norm + add fused in), down (SiLU*mul fused in). One sequence with
+    EXTKV_PERSISTENT=1 (the default), 5: the last three are the one-row MLP kernel.
+    Counted as the difference between a 4- and a 2-layer model, so the embedding and
+    final norm are left out."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
-    four, two = decode_step_kernels(tmp_path / "4", 4), decode_step_kernels(tmp_path / "2", 2)
+    four = decode_step_kernels(tmp_path / "4", 4, num_seqs)
+    two = decode_step_kernels(tmp_path / "2", 2, num_seqs)
     per_layer = (four.total() - two.total()) / 2
     print(f"\ndecode step: {per_layer:g} kernels per decoder layer")
     assert per_layer <= most, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
@@ -448,15 +452,15 @@ class DecodeStep:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize(("persistent", "num_seqs"), [("0", 4), ("1", 4), ("0", 1), ("1", 1)])
 def test_decoder_layer_cuda_graph_replay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, num_seqs: int
 ) -> None:
     """One captured decoder layer replayed over new inputs equals the eager layer: the
     residual stream, K/V written through the slots, q/k normed and rotated; with the
-    separate kernels and with the persistent ones."""
+    GEMVs and (one sequence, EXTKV_PERSISTENT=1) the one-row MLP kernel."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
-    num_seqs, block_size, width = 4, 16, 8
+    block_size, width = 16, 8
     model = qwen3_shaped(tmp_path, 1)
     bind_cache(model, num_seqs * width, block_size)
     layer, attn = model.model.layers[0], model.model.layers[0].self_attn.attn

@@ -1,196 +1,191 @@
-"""The decode step's gated MLP in one persistent kernel (extkv.kernels.gated_mlp) against
-the two fused GEMVs it replaces, bit for bit, and the grid barrier it stands on.
+"""A batch-1 decode step's MLP sublayer in one kernel with its weights in registers
+(extkv.kernels.gated_mlp) against the ops it replaces, and the grid barrier it stands on.
 
 As in test_gemv, the CPU checks run this file as a script under the Triton interpreter
 (`TRITON_INTERPRET=1`, in a subprocess), where the kernel launches once per stage; the
-GPU tests run its one launch, barrier included, eagerly and replayed in a CUDA graph.
+GPU tests run its one launch, barriers included, eagerly and replayed in a CUDA graph.
+The kernel adds up in another order than the GEMVs' tiles, so it is compared within a
+few roundings of its dtype, against a reference that rounds where the ops round.
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from extkv.demo import make_random_checkpoint
-from extkv.kernels import pdl
-from extkv.kernels.gated_mlp import gated_mlp_small_batch
-from extkv.kernels.gemv import (
-    MAX_ROWS,
-    linear_small_batch,
-    num_sms,
-    rms_norm_linear_small_batch,
-    silu_and_mul_linear_small_batch,
-)
+from extkv.kernels.gated_mlp import RegisterPlan, gated_mlp_one_row, plan_for, two_powers
+from extkv.kernels.gemv import num_sms
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
-from extkv.models import load_model, ops
-from helpers import (
-    interpreter_dots_bf16_as_numbers,
-    interpreter_rounds_bf16_to_nearest,
-    run_interpreted,
-)
+from extkv.models import ops
+from helpers import interpreter_rounds_bf16_to_nearest, run_interpreted
 
-# (hidden, intermediate): Qwen3-0.6B's and SmolLM2-135M's, and scaled down for the
-# interpreter: the down projection splits K (128, 384) or not, blocks left partial (96, 160).
-GPU_SHAPES = ((1024, 3072), (576, 1536))
-SMALL_SHAPES = ((128, 384), (96, 160))
+# (attention width, hidden, intermediate): Qwen3-0.6B's and SmolLM2-135M's, and scaled
+# down for the interpreter: rows and K in one piece or two (128 programs of 1 and 2 + 1
+# rows; 32 programs of 2 + 1 and 4 + 1 rows, K 64 + 32 and 128 + 32).
+GPU_SHAPES = ((2048, 1024, 3072), (576, 576, 1536))
+SMALL_SHAPES = ((256, 128, 384), (64, 96, 160))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def mlp_operands(
-    num_rows: int, hidden: int, inner: int, dtype: torch.dtype, device: str
-) -> tuple[torch.Tensor, ...]:
-    """x as rows of a wider tensor; norm, gate_up and down weights giving unit-size outputs."""
-    x = torch.randn(MAX_ROWS, hidden + 3, dtype=dtype, device=device)[:num_rows, :hidden] * 3
-    norm_weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
-    gate_up = (torch.randn(2 * inner, hidden, device=device) * hidden**-0.5).to(dtype)
-    down = (torch.randn(hidden, inner, device=device) * inner**-0.5).to(dtype)
-    return x, norm_weight, gate_up, down
+def operands(width: int, hidden: int, inner: int, dtype: torch.dtype, device: str) -> dict:
+    """One attention output row and an MLP's weights giving unit-size outputs."""
+    scaled = lambda *size: (torch.randn(*size, device=device) * size[-1] ** -0.5).to(dtype)  # noqa: E731
+    return {
+        "attn": torch.randn(1, width, device=device).to(dtype),
+        "x": (torch.randn(1, hidden, device=device) * 3).to(dtype),
+        "norm_weight": (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype),
+        "gate_up": scaled(2 * inner, hidden),
+        "down": scaled(hidden, inner),
+        "out_weight": scaled(hidden, width),
+    }
 
 
-def two_kernels(
+def reference(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    out_weight: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the persistent kernel replaces: the norm-fused gate_up GEMV, the SiLU-fused
-    down GEMV."""
-    hidden, stream = rms_norm_linear_small_batch(x, residual, norm_weight, 1e-6, gate_up)
-    return silu_and_mul_linear_small_batch(hidden, down), stream
+    """(y, stream) in fp64, rounded to x's dtype where the GEMVs' outputs and the norm and
+    activation kernels round."""
+    dtype = x.dtype
+    rounded = lambda t: t.to(dtype).double()  # noqa: E731
+    if out_weight is not None:
+        x = rounded(x.double() @ out_weight.double().T).to(dtype)
+    stream = x
+    if residual is not None:
+        stream = (residual.double() + x.double()).to(residual.dtype)
+    s = rounded(stream.double())
+    rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    normed = rounded(norm_weight.double() * rounded(s * rstd))
+    gate, up = rounded(normed @ gate_up.double().T).chunk(2, dim=-1)
+    act = rounded(rounded(gate * torch.sigmoid(gate)) * up)
+    return (act @ down.double().T).to(dtype), stream
 
 
-def check_gated_mlp(
-    num_rows: int,
+def check_one_row(
+    width: int,
     hidden: int,
     inner: int,
     dtype: torch.dtype,
     residual_dtype: torch.dtype | None,
+    projected: bool,
     device: str,
 ) -> None:
-    """The two kernels' output and residual stream bit for bit, the residual given left as
-    it was, and each row's output whatever rows come with it."""
-    x, norm_weight, gate_up, down = mlp_operands(num_rows, hidden, inner, dtype, device)
+    """Output and stream within the dtype's tolerance of the reference, the stream exactly
+    where no projection precedes it, the inputs left as they were."""
+    ops_ = operands(width, hidden, inner, dtype, device)
+    x = ops_["attn"] if projected else ops_["x"]
+    out_weight = ops_["out_weight"] if projected else None
     residual = None
     if residual_dtype is not None:
-        residual = torch.randn(num_rows, hidden, dtype=residual_dtype, device=device)
-    before = None if residual is None else residual.clone()
-    y, stream = gated_mlp_small_batch(x, residual, norm_weight, 1e-6, gate_up, down)
-    expected, expected_stream = two_kernels(x, before, norm_weight, gate_up, down)
-    assert y.dtype == x.dtype and torch.equal(y, expected)
-    assert torch.equal(stream, expected_stream)
-    if residual is None:
-        assert stream is x
+        residual = torch.randn(1, hidden, device=device).to(residual_dtype)
+    args = (x, residual, ops_["norm_weight"], 1e-6, ops_["gate_up"], ops_["down"], out_weight)
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    y, stream = gated_mlp_one_row(*args)
+    expected, expected_stream = reference(*before[:3], *before[4:])
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double(), expected.double(), rtol=tolerance, atol=tolerance)
+    if projected:
+        torch.testing.assert_close(
+            stream.double(), expected_stream.double(), rtol=tolerance, atol=tolerance
+        )
     else:
-        assert stream.dtype == residual_dtype and torch.equal(residual, before)
-    wider = torch.cat([x, torch.randn(MAX_ROWS - num_rows, hidden, dtype=dtype, device=device)])
-    everything, _ = gated_mlp_small_batch(wider, None, norm_weight, 1e-6, gate_up, down)
-    alone, _ = gated_mlp_small_batch(x, None, norm_weight, 1e-6, gate_up, down)
-    assert torch.equal(everything[:num_rows], alone)
+        assert torch.equal(stream, expected_stream)
+    assert stream.dtype == (dtype if residual is None else residual_dtype)
+    tensors = [(a, b) for a, b in zip(args, before, strict=True) if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in tensors)
 
 
-def check_out_proj_gated_mlp(
-    num_rows: int, width: int, hidden: int, inner: int, dtype: torch.dtype, device: str
-) -> None:
-    """With the attention's output projection in front: the three GEMVs' bits, the
-    residual stream summed with the projection's output."""
-    _, norm_weight, gate_up, down = mlp_operands(num_rows, hidden, inner, dtype, device)
-    attn = torch.randn(MAX_ROWS, width + 3, dtype=dtype, device=device)[:num_rows, :width]
-    out_weight = (torch.randn(hidden, width, device=device) * width**-0.5).to(dtype)
-    residual = torch.randn(num_rows, hidden, dtype=dtype, device=device)
-    before = residual.clone()
-    y, stream = gated_mlp_small_batch(attn, residual, norm_weight, 1e-6, gate_up, down, out_weight)
-    x = linear_small_batch(attn, out_weight)
-    expected, expected_stream = two_kernels(x, before, norm_weight, gate_up, down)
-    assert torch.equal(y, expected) and torch.equal(stream, expected_stream)
-    assert torch.equal(residual, before)
+def test_two_powers() -> None:
+    """A count as two powers of two (the second may be 0), or None."""
+    assert two_powers(3072) == (2048, 1024)
+    assert two_powers(1024) == (1024, 0)
+    assert two_powers(576) == (512, 64)
+    assert two_powers(1) == (1, 0)
+    assert two_powers(7) is None and two_powers(0) is None
+
+
+def test_register_plan() -> None:
+    """The most programs (<= the SMs) that split the rows evenly in two powers of two, and
+    none where a slice would not fit in registers or a K cannot be tiled."""
+    qwen = RegisterPlan.of(1024, 3072, 2048, 2, 132)
+    assert qwen == RegisterPlan(128, (8, 0), (16, 8), (2048, 0), (1024, 0), (2048, 1024))
+    smollm = RegisterPlan.of(576, 1536, 576, 2, 132)
+    assert smollm is not None and smollm.programs == 96
+    assert smollm.hidden_rows == (4, 2) and smollm.inner_rows == (16, 0)
+    assert RegisterPlan.of(2048, 6144, 2048, 2, 132) is None  # Qwen3-1.7B: too large
+    assert RegisterPlan.of(1024, 3000, 2048, 2, 132) is None  # 3000 is no two powers
+    assert RegisterPlan.of(1024, 3072, 2048, 4, 132) is None  # fp32: twice the bytes
 
 
 def test_bad_inputs_are_refused() -> None:
     """Each refusal names the operand and the shape it must have; nothing is launched."""
-    x, norm_weight, gate_up, down = mlp_operands(2, 64, 96, torch.float32, "cpu")
+    o = operands(64, 96, 160, torch.float32, "cpu")
+    x, nw, gu, down, ow = o["x"], o["norm_weight"], o["gate_up"], o["down"], o["out_weight"]
     cases = [
-        ((x, None, norm_weight, 1e-6, gate_up[1:], down), "gate_up_weight must be (2I, 64)"),
-        ((x, None, norm_weight, 1e-6, gate_up[:, 1:], down), "and weight (N, K), got (2, 64)"),
-        ((x, None, norm_weight, 1e-6, gate_up, down.t()), "down_weight must be (64, 96)"),
-        ((x, None, norm_weight, 1e-6, gate_up, down.half()), "down_weight's dtype"),
-        ((x, None, norm_weight[1:], 1e-6, gate_up, down), "norm_weight must be"),
-        ((x, x[:1], norm_weight, 1e-6, gate_up, down), "residual must be x's shape"),
-        ((x.repeat(9, 1), None, norm_weight, 1e-6, gate_up, down), f"at most {MAX_ROWS} rows"),
+        ((x, None, nw, 1e-6, gu[1:], down), "gate_up must be (320, 96)"),
+        ((x, None, nw, 1e-6, gu[0], down), "gate_up must be (2I, H) and down (H, I)"),
+        ((x, None, nw, 1e-6, gu, down.half()), "the weights' dtype must be x's"),
+        ((x, None, nw[1:], 1e-6, gu, down), "norm_weight must be (96,)"),
+        ((x, x[:, 1:], nw, 1e-6, gu, down), "residual must be (1, 96)"),
+        ((x.repeat(2, 1), None, nw, 1e-6, gu, down), "x must be one row (1, 96)"),
+        ((x[:, :64], None, nw, 1e-6, gu, down, ow.t()), "out_weight must be (96, K)"),
+        ((x, None, nw, 1e-6, gu, down, ow), "x must be one row (1, 64)"),
+        ((x.t().contiguous().t(), None, nw, 1e-6, gu, down.t().contiguous().t()), "contiguous"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            gated_mlp_small_batch(*args)
-    for stages in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="num_stages must be a positive int or None"):
-            gated_mlp_small_batch(x, None, norm_weight, 1e-6, gate_up, down, num_stages=stages)
-    attn, out_weight = torch.randn(2, 32), torch.randn(64, 32)
-    with pytest.raises(ValueError, match="weight \\(N, K\\)"):
-        gated_mlp_small_batch(attn, None, norm_weight, 1e-6, gate_up, down, out_weight.t())
-    with pytest.raises(ValueError, match=re.escape("norm_weight must be a contiguous (64,)")):
-        gated_mlp_small_batch(attn, None, norm_weight[1:], 1e-6, gate_up, down, out_weight)
+            gated_mlp_one_row(*args)
+    big = operands(64, 100, 160, torch.float32, "cpu")  # 100 is no two powers: no plan
+    with pytest.raises(ValueError, match="hidden 100 and inner 160 does not fit in registers"):
+        gated_mlp_one_row(big["x"], None, big["norm_weight"], 1e-6, big["gate_up"], big["down"])
 
 
 def test_cpu_gated_mlp_is_the_separate_ops() -> None:
-    """Off the GEMV (the CPU, here) ops.gated_mlp is rms_norm_linear then
-    silu_and_mul_linear (after `linear` by the output projection, where one is given),
-    the residual updated in place as the norm does."""
-    x, norm_weight, gate_up, down = mlp_operands(3, 64, 96, torch.float32, "cpu")
-    mlp = ops.GatedMLPWeights(norm_weight, 1e-6, gate_up, down)
+    """Off CUDA ops.gated_mlp is rms_norm_linear then silu_and_mul_linear (after `linear`
+    by the output projection, where one is given)."""
+    o = operands(32, 64, 96, torch.float32, "cpu")
+    x = o["x"].repeat(3, 1)
+    mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])
     out_weight = torch.randn(64, 32)
     residual = torch.randn(3, 64)
     for inputs, projected in ((x, x), (x[:, :32], ops.linear(x[:, :32], out_weight))):
         weight = None if inputs is x else out_weight
         y, stream = ops.gated_mlp(inputs, residual.clone(), mlp, weight)
         hidden, expected_stream = ops.rms_norm_linear(
-            projected, residual.clone(), norm_weight, 1e-6, gate_up
+            projected, residual.clone(), o["norm_weight"], 1e-6, o["gate_up"]
         )
-        assert torch.equal(y, ops.silu_and_mul_linear(hidden, down))
+        assert torch.equal(y, ops.silu_and_mul_linear(hidden, o["down"]))
         assert torch.equal(stream, expected_stream)
 
 
 def test_persistent_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EXTKV_PERSISTENT takes 0 or 1 (default 0); anything else is refused by name."""
+    """EXTKV_PERSISTENT takes 0 or 1 (default 1); anything else is refused by name."""
     monkeypatch.delenv("EXTKV_PERSISTENT", raising=False)
-    assert not ops.persistent_decode()
-    monkeypatch.setenv("EXTKV_PERSISTENT", "1")
     assert ops.persistent_decode()
+    monkeypatch.setenv("EXTKV_PERSISTENT", "0")
+    assert not ops.persistent_decode()
     monkeypatch.setenv("EXTKV_PERSISTENT", "yes")
     with pytest.raises(ValueError, match=r"EXTKV_PERSISTENT must be 0 .* or 1 .*, got 'yes'"):
         ops.persistent_decode()
 
 
-def test_next_weights_fit_half_of_l2(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A persistent kernel asks L2 for the leading next weights that fit in half of it
-    together, none after the first that does not; off CUDA (no L2 known) for none."""
-    weights = tuple(torch.empty(n, dtype=torch.uint8) for n in (20, 20, 20))
-    addresses = [w.data_ptr() for w in weights]
-    assert pdl.next_weights(weights) == ([0] * 6, 0)
-    monkeypatch.setattr(pdl, "_l2_bytes", lambda device: 100)
-    assert pdl.next_weights(weights) == ([addresses[0], 20, addresses[1], 20, 0, 0], 2)
-    big = torch.empty(60, dtype=torch.uint8)
-    assert pdl.next_weights((big, *weights[:2]))[1] == 0
-    with pytest.raises(ValueError, match="at most 3 next weights, got 4"):
-        pdl.next_weights((*weights, big))
-
-
-def test_each_layer_prefetches_the_next_layers_qkv(tmp_path: Path) -> None:
-    """A decoder layer whose output projection runs in its MLP's kernel asks L2, from that
-    kernel, for the next layer's qkv weight (the one that layer reads first); the last
-    layer for nothing."""
-    folder = make_random_checkpoint(tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=3)
-    layers = load_model(folder, torch.float32, torch.device("cpu"))[0].model.layers
-    assert all(layer.fuses_out_proj() for layer in layers)
-    for layer, following in itertools.pairwise(layers):
-        assert layer.prefetch_next == (following.self_attn.qkv_proj.weight,)
-    assert layers[-1].prefetch_next == ()
+def test_barrier_counter_is_made_once_per_grid() -> None:
+    """One counter per (owner, device, programs), zero when made and the same tensor after."""
+    cpu = torch.device("cpu")
+    counter = barrier_counter("test", cpu, 3)
+    assert counter.dtype == torch.int64 and counter.item() == 0
+    assert barrier_counter("test", cpu, 3) is counter
+    assert barrier_counter("test", cpu, 4) is not counter
 
 
 # ---------------------------------------------------------------- CPU: Triton interpreter
@@ -198,23 +193,15 @@ def test_each_layer_prefetches_the_next_layers_qkv(tmp_path: Path) -> None:
 
 def interpreter_checks() -> list[Callable[[], None]]:
     return [
-        *(
-            partial(check_gated_mlp, num_rows, hidden, inner, dtype, residual_dtype, "cpu")
-            for hidden, inner in SMALL_SHAPES
-            for num_rows in (1, 3)
-            for dtype, residual_dtype in (
-                (torch.float32, torch.float32),
-                (torch.bfloat16, torch.bfloat16),
-                (torch.bfloat16, torch.float32),
-                (torch.float16, None),
-            )
-        ),
-        *(
-            partial(check_out_proj_gated_mlp, num_rows, 2 * hidden, hidden, inner, dtype, "cpu")
-            for hidden, inner in SMALL_SHAPES
-            for num_rows in (1, 3)
-            for dtype in (torch.float32, torch.bfloat16)
-        ),
+        partial(check_one_row, *shape, dtype, residual_dtype, projected, "cpu")
+        for shape in SMALL_SHAPES
+        for dtype, residual_dtype in (
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.bfloat16, torch.float32),
+            (torch.float16, None),
+        )
+        for projected in (False, True)
     ]
 
 
@@ -258,65 +245,53 @@ def test_grid_barrier_orders_every_program() -> None:
         assert counter.item() == launch * 2 * rounds * programs
 
 
-def test_barrier_counter_is_made_once_per_grid() -> None:
-    """One counter per (owner, device, programs), zero when made and the same tensor after."""
-    cpu = torch.device("cpu")
-    counter = barrier_counter("test", cpu, 3)
-    assert counter.dtype == torch.int64 and counter.item() == 0
-    assert barrier_counter("test", cpu, 3) is counter
-    assert barrier_counter("test", cpu, 4) is not counter
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [1, 4, 16])
-@pytest.mark.parametrize(("hidden", "inner"), GPU_SHAPES)
-def test_gated_mlp_gpu(hidden: int, inner: int, num_rows: int) -> None:
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gated_mlp_one_row_gpu(shape: tuple[int, int, int]) -> None:
     for residual_dtype in (torch.bfloat16, torch.float32, None):
-        check_gated_mlp(num_rows, hidden, inner, torch.bfloat16, residual_dtype, "cuda")
-    check_out_proj_gated_mlp(num_rows, 2 * hidden, hidden, inner, torch.bfloat16, "cuda")
+        for projected in (False, True):
+            check_one_row(*shape, torch.bfloat16, residual_dtype, projected, "cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_depth_keeps_the_bits_gpu(stages: int) -> None:
-    """`stages` changes how deep the GEMV loops pipeline, not what they add up."""
-    x, norm_weight, gate_up, down = mlp_operands(4, 1024, 3072, torch.bfloat16, "cuda")
-    attn = torch.randn(4, 2048, dtype=torch.bfloat16, device="cuda")
-    out_weight = (torch.randn(1024, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
-    args = (attn, x, norm_weight, 1e-6, gate_up, down, out_weight)
-    expected = gated_mlp_small_batch(*args)
-    assert all(map(torch.equal, gated_mlp_small_batch(*args, num_stages=stages), expected))
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_ops_take_the_kernel_at_one_row_gpu(shape: tuple[int, int, int]) -> None:
+    """ops.gated_mlp runs the kernel for one row where it has a plan (its bits), the
+    GEMVs for more rows or with EXTKV_PERSISTENT=0."""
+    o = operands(*shape, torch.bfloat16, "cuda")
+    assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"]) is not None
+    mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])
+    residual = torch.randn_like(o["x"])
+    args = (o["attn"], residual, o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
+    y, stream = ops.gated_mlp(o["attn"], residual, mlp, o["out_weight"])
+    assert all(map(torch.equal, (y, stream), gated_mlp_one_row(*args)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("hidden", "inner"), GPU_SHAPES)
-def test_cuda_graph_replay_gpu(hidden: int, inner: int) -> None:
-    """Captured once, replayed over new inputs: the two kernels' bits every time."""
-    x, norm_weight, gate_up, down = mlp_operands(1, hidden, inner, torch.bfloat16, "cuda")
-    static_x, static_residual = x.clone(), torch.randn_like(x)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_cuda_graph_replay_gpu(shape: tuple[int, int, int]) -> None:
+    """Captured once, replayed over new inputs: the eager kernel's bits every time."""
+    o = operands(*shape, torch.bfloat16, "cuda")
+    static_attn, static_residual = o["attn"].clone(), torch.randn_like(o["x"])
+    weights = (o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture
-        gated_mlp_small_batch(static_x, static_residual, norm_weight, 1e-6, gate_up, down)
+        gated_mlp_one_row(static_attn, static_residual, *weights)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, stream = gated_mlp_small_batch(
-            static_x, static_residual, norm_weight, 1e-6, gate_up, down
-        )
+        y, stream = gated_mlp_one_row(static_attn, static_residual, *weights)
     for _ in range(3):
-        static_x.copy_(torch.randn_like(x))
-        static_residual.copy_(torch.randn_like(x))
+        static_attn.copy_(torch.randn_like(o["attn"]))
+        static_residual.copy_(torch.randn_like(o["x"]))
         graph.replay()
-        expected, expected_stream = two_kernels(
-            static_x, static_residual, norm_weight, gate_up, down
-        )
-        assert torch.equal(y, expected) and torch.equal(stream, expected_stream)
+        expected = gated_mlp_one_row(static_attn, static_residual, *weights)
+        assert torch.equal(y, expected[0]) and torch.equal(stream, expected[1])
 
 
 if __name__ == "__main__":
     interpreter_rounds_bf16_to_nearest()
-    interpreter_dots_bf16_as_numbers()
     for check in interpreter_checks():
         torch.manual_seed(0)
         check()

@@ -7,7 +7,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from extkv.attention.metadata import AttentionMetadata, get_forward_context
+from extkv.attention.metadata import get_forward_context
 from extkv.attention.ops import qk_norm_rope, rope_store_attention, varlen_attention
 
 
@@ -83,35 +83,8 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         qk_norm: QKNorm | None = None,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of `qkv_proj.normed(hidden, residual, norm)` (RMSNorm(residual + hidden)
-        through the qkv projection): (out, the residual stream). A CUDA decode step's few
-        rows over a bound cache take one persistent kernel for all of it
-        (extkv.kernels.decode_attention, the same bits), which asks L2 for `prefetch`, the
-        weights the layer reads next."""
-        metadata = get_forward_context().attention[self.kv_group]
-        if self._decodes_in_one_kernel(hidden, qkv_proj.weight, metadata):
-            from extkv.kernels.decode_attention import decode_attention_block
-
-            q_weight, k_weight, qk_eps = qk_norm or (None, None, 0.0)
-            out, residual = decode_attention_block(
-                hidden, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
-                positions, cos_sin_cache, self.num_heads, self.num_kv_heads, q_weight, k_weight,
-                qk_eps, self.k_cache, self.v_cache, metadata, self.scale, self.sliding_window,
-                prefetch,
-            )  # fmt: skip
-            return out.view(-1, self.num_heads * self.head_dim), residual
+        through the qkv projection): (out, the residual stream)."""
         qkv, residual = qkv_proj.normed(hidden, residual, norm)
         return self(qkv, positions, cos_sin_cache, qk_norm), residual
-
-    def _decodes_in_one_kernel(
-        self, hidden: torch.Tensor, qkv_weight: torch.Tensor, metadata: AttentionMetadata
-    ) -> bool:
-        """A decode step over the bound cache whose rows take the GEMV (`takes_gemv`),
-        with EXTKV_PERSISTENT=1."""
-        from extkv.models.ops import persistent_decode, takes_gemv  # models import this
-
-        bound = self.k_cache.numel() > 0 and self.k_cache.dtype == hidden.dtype
-        decode = bound and not metadata.is_prefill and takes_gemv(hidden, qkv_weight)
-        return decode and persistent_decode()

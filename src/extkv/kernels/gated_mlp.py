@@ -1,52 +1,153 @@
-"""The rest of a decode layer after its attention in one persistent kernel: the output
-projection (optional), RMSNorm(x + residual) and gate_up, silu(gate) * up and down,
-with a grid barrier where separate GEMV kernels had a boundary.
+"""A batch-1 decode step's MLP sublayer in one kernel whose weights wait in registers:
+the attention's output projection (optional) and the residual add, RMSNorm and
+gate_up, silu(gate) * up and down.
 
-Every stage is the small-batch GEMV's (`gemv_tile`, the same tiling and the same order
-of every sum), so the outputs are those of `linear_small_batch`,
-`rms_norm_linear_small_batch` and `silu_and_mul_linear_small_batch`, bit for bit. What
-goes is the boundaries: every program first asks L2 for its slice of each stage's
-weight, then for its share of the next kernel's (`prefetch`), which stream in while
-the stages wait on latency.
+At batch 1 a layer's GEMVs are bound by latency, not bandwidth: each kernel boundary
+drains the GPU, and each GEMV streams its few megabytes only after its input exists.
+Here every program (one per SM) first loads its row slice of all three weights into
+registers, before it waits for the kernel before (PDL); the stages then only read
+their small inputs and reduce, with a grid barrier where the GEMVs had a boundary.
+So the weights stream at once, at the full bandwidth, while the attention ends and the
+stages' round trips run. On an H100, Qwen3-0.6B's shape: 13.8 us for the sublayer
+against 18.9 for the three GEMVs (BENCHMARKS.md, 2026-12-05 session 6).
+
+The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
+the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
+run in another order than the GEMVs' tiles, so outputs may differ from theirs in the
+last bits; every step of a batch of one takes this kernel, so a sequence's outputs do
+not depend on which path ran before.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from extkv.kernels.gemv import (
-    MAX_ROWS,
-    PLAIN,
-    RMS_NORM,
-    SILU_AND_MUL,
-    Tiling,
-    check_norm_operands,
-    check_operands,
-    dot_precision,
-    gemv_tile,
-    num_sms,
-    prefetch_tile,
-    split_scratch,
-)
-from extkv.kernels.grid_barrier import (
-    barrier_counter,
-    check_num_stages,
-    grid_barrier,
-    persistent_grid,
-    stage_launches,
-)
-from extkv.kernels.pdl import (
-    next_weights,
-    pdl_launch,
-    prefetch_next_weights,
-    wait_for_previous_grid,
-)
+from extkv.kernels.activation import silu_times
+from extkv.kernels.gemv import num_sms
+from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, stage_launches
+from extkv.kernels.norm import weighted_rms
+from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 # The stages, in order; a launch runs FIRST to LAST of them: all of a call's, with
 # barriers between them, or one at a time (the interpreter's launches).
-OUT_PROJ, GATE_UP, DOWN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+OUT_PROJ, GATE_UP, DOWN = 0, 1, 2
+
+# Weight bytes a program may hold: Qwen3-0.6B's 176 KiB slices take 242 of the 255
+# registers a thread of 8 warps has, without spills (sm90, Triton 3.6).
+MAX_SLICE_BYTES = 184 * 1024
+NUM_WARPS = 8
+
+
+def two_powers(n: int) -> tuple[int, int] | None:
+    """n as a + b, a the largest power of two <= n and b a power of two or 0, else None:
+    the pieces `arange` can tile n by without padding."""
+    if n < 1:
+        return None
+    a = 1 << (n.bit_length() - 1)
+    b = n - a
+    return (a, b) if b & (b - 1) == 0 else None
+
+
+@dataclass(frozen=True)
+class RegisterPlan:
+    """How `gated_mlp_one_row` cuts an MLP over its programs: each takes `hidden_rows`
+    rows of o_proj and down and `inner_rows` of gate and of up; every row count and K is
+    two powers of two (the second 0 where one does)."""
+
+    programs: int
+    hidden_rows: tuple[int, int]
+    inner_rows: tuple[int, int]
+    attn_k: tuple[int, int]
+    hidden_k: tuple[int, int]
+    inner_k: tuple[int, int]
+
+    @classmethod
+    @functools.cache
+    def of(
+        cls, hidden: int, inner: int, attn_width: int, itemsize: int, sms: int
+    ) -> RegisterPlan | None:
+        """The plan with the most programs (<= `sms`) that splits the rows evenly and
+        whose slices fit in a program's registers; None if there is none."""
+        ks = (two_powers(attn_width), two_powers(hidden), two_powers(inner))
+        if None in ks:
+            return None
+        for programs in range(min(sms, math.gcd(hidden, inner)), 0, -1):
+            if hidden % programs or inner % programs:
+                continue
+            rows = two_powers(hidden // programs), two_powers(inner // programs)
+            if None in rows:
+                continue
+            per_program = (hidden * (attn_width + inner) + 2 * inner * hidden) // programs
+            if per_program * itemsize > MAX_SLICE_BYTES:
+                return None  # fewer programs only make the slices larger
+            return cls(programs, *rows, *ks)
+        return None
+
+
+@triton.jit
+def _piece(n1, n2: tl.constexpr):
+    """Offsets of the second of two pieces (n2 may be 0: one dead lane) and their mask."""
+    size: tl.constexpr = n2 if n2 > 0 else 1
+    offsets = n1 + tl.arange(0, size)
+    return offsets, tl.arange(0, size) < n2
+
+
+@triton.jit
+def _load_slice(
+    w_ptr, row0, stride, R1: tl.constexpr, R2: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr
+):
+    """Rows row0 .. row0 + R1 + R2 of W, as four blocks: (first/second rows) x (first/
+    second K piece)."""
+    r1 = row0 + tl.arange(0, R1)
+    r2, r2_ok = _piece(row0 + R1, R2)
+    k1 = tl.arange(0, K1)
+    k2, k2_ok = _piece(K1, K2)
+    rows1 = w_ptr + r1.to(tl.int64)[:, None] * stride
+    rows2 = w_ptr + r2.to(tl.int64)[:, None] * stride
+    w11 = tl.load(rows1 + k1[None, :])
+    w12 = tl.load(rows1 + k2[None, :], mask=k2_ok[None, :], other=0.0)
+    w21 = tl.load(rows2 + k1[None, :], mask=r2_ok[:, None], other=0.0)
+    w22 = tl.load(rows2 + k2[None, :], mask=r2_ok[:, None] & k2_ok[None, :], other=0.0)
+    return w11, w12, w21, w22
+
+
+@triton.jit
+def _matvec(w11, w12, w21, w22, x1, x2):
+    """(first rows, second rows) of W @ x, x in its two K pieces (fp32)."""
+    y1 = tl.sum(w11.to(tl.float32) * x1[None, :], axis=1)
+    y1 += tl.sum(w12.to(tl.float32) * x2[None, :], axis=1)
+    y2 = tl.sum(w21.to(tl.float32) * x1[None, :], axis=1)
+    y2 += tl.sum(w22.to(tl.float32) * x2[None, :], axis=1)
+    return y1, y2
+
+
+@triton.jit
+def _load_vector(ptr, K1: tl.constexpr, K2: tl.constexpr):
+    """A vector of K1 + K2 elements in its two pieces, as stored."""
+    k2, k2_ok = _piece(K1, K2)
+    return tl.load(ptr + tl.arange(0, K1)), tl.load(ptr + k2, mask=k2_ok, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, row0, y1, y2, R1: tl.constexpr, R2: tl.constexpr):
+    r2, r2_ok = _piece(row0 + R1, R2)
+    tl.store(ptr + row0 + tl.arange(0, R1), y1.to(ptr.dtype.element_ty))
+    tl.store(ptr + r2, y2.to(ptr.dtype.element_ty), mask=r2_ok)
+
+
+@triton.jit
+def _store_own(ptr, v1, v2, begin, end, K1: tl.constexpr, K2: tl.constexpr):
+    """Elements begin .. end of a vector held in its two pieces."""
+    k1 = tl.arange(0, K1)
+    k2, k2_ok = _piece(K1, K2)
+    tl.store(ptr + k1, v1, mask=(k1 >= begin) & (k1 < end))
+    tl.store(ptr + k2, v2, mask=k2_ok & (k2 >= begin) & (k2 < end))
 
 
 @triton.jit
@@ -56,239 +157,192 @@ def _gated_mlp_kernel(
     x_ptr,
     residual_ptr,
     norm_weight_ptr,
-    residual_out_ptr,
+    stream_ptr,
     gate_up_w_ptr,
-    gate_up_ptr,
+    act_ptr,
     down_w_ptr,
     y_ptr,
-    partial_ptr,
-    arrivals_ptr,
     barrier_ptr,
-    out_w_address,
-    gate_up_w_address,
-    down_w_address,
-    next_address0,
-    next_bytes0,
-    next_address1,
-    next_bytes1,
-    next_address2,
-    next_bytes2,
-    num_rows,
     attn_width,
     hidden,
     inner,
-    out_k_per_split,
-    gate_up_k_per_split,
-    down_k_per_split,
-    stride_am,
-    stride_out_wn,
-    stride_xm,
-    stride_rm,
-    stride_rom,
-    stride_gate_up_wn,
-    stride_gate_up_m,
-    stride_down_wn,
-    stride_ym,
     eps,
+    HAS_OUT_PROJ: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr,
-    OUT_SPLIT: tl.constexpr,
-    OUT_LINE: tl.constexpr,
-    GATE_UP_BLOCK_K: tl.constexpr,
-    GATE_UP_SPLIT: tl.constexpr,
-    GATE_UP_LINE: tl.constexpr,
-    K_CHUNKS: tl.constexpr,
-    DOWN_BLOCK_K: tl.constexpr,
-    DOWN_SPLIT: tl.constexpr,
-    DOWN_LINE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    NUM_NEXT: tl.constexpr,
+    RO1: tl.constexpr,
+    RO2: tl.constexpr,
+    RI1: tl.constexpr,
+    RI2: tl.constexpr,
+    KA1: tl.constexpr,
+    KA2: tl.constexpr,
+    KH1: tl.constexpr,
+    KH2: tl.constexpr,
+    KI1: tl.constexpr,
+    KI2: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Stages FIRST to LAST (OUT_PROJ: x = attn @ out_w^T; GATE_UP: gate_up of
-    RMSNorm(residual + x); DOWN: y = down of silu(gate) * up), a barrier between each two.
-    Each program takes a stage's work items (tile, slice of K) strided by the number of
-    programs. With PREFETCH (PDL) it first asks L2 for the weight of its first item of
-    each stage, before the wait for the previous kernel."""
+    """Stages FIRST to LAST: OUT_PROJ (x = attn @ out_w^T, the stream residual + x),
+    GATE_UP (silu(gate) * up of RMSNorm(stream)), DOWN (y), a barrier between each two.
+    Program p owns rows p * (RO1 + RO2) ... of o_proj and down, p * (RI1 + RI2) ... of
+    gate and of up; its weights are loaded before anything waits."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    gate_up_n = 2 * inner
-    out_items = tl.cdiv(hidden, BLOCK_N) * OUT_SPLIT
-    gate_up_items = tl.cdiv(gate_up_n, BLOCK_N) * GATE_UP_SPLIT
-    down_items = tl.cdiv(hidden, BLOCK_N) * DOWN_SPLIT
-    if PREFETCH:
-        if FIRST <= OUT_PROJ and pid < out_items:
-            prefetch_tile(
-                pid // OUT_SPLIT, pid % OUT_SPLIT, out_w_address, out_w_ptr, hidden,
-                attn_width, out_k_per_split, stride_out_wn, BLOCK_N, OUT_BLOCK_K, OUT_LINE,
-            )  # fmt: skip
-        if FIRST <= GATE_UP and LAST >= GATE_UP and pid < gate_up_items:
-            prefetch_tile(
-                pid // GATE_UP_SPLIT, pid % GATE_UP_SPLIT, gate_up_w_address, gate_up_w_ptr,
-                gate_up_n, hidden, gate_up_k_per_split, stride_gate_up_wn, BLOCK_N,
-                GATE_UP_BLOCK_K, GATE_UP_LINE,
-            )  # fmt: skip
-        if LAST >= DOWN and pid < down_items:
-            prefetch_tile(
-                pid // DOWN_SPLIT, pid % DOWN_SPLIT, down_w_address, down_w_ptr, hidden, inner,
-                down_k_per_split, stride_down_wn, BLOCK_N, DOWN_BLOCK_K, DOWN_LINE,
-            )  # fmt: skip
+    hidden_row = pid * (RO1 + RO2)
+    inner_row = pid * (RI1 + RI2)
+    if HAS_OUT_PROJ and FIRST == 0:
+        o11, o12, o21, o22 = _load_slice(out_w_ptr, hidden_row, attn_width, RO1, RO2, KA1, KA2)
+    if FIRST <= 1 and LAST >= 1:
+        g11, g12, g21, g22 = _load_slice(gate_up_w_ptr, inner_row, hidden, RI1, RI2, KH1, KH2)
+        up_row = inner + inner_row
+        u11, u12, u21, u22 = _load_slice(gate_up_w_ptr, up_row, hidden, RI1, RI2, KH1, KH2)
+    if LAST == 2:
+        d11, d12, d21, d22 = _load_slice(down_w_ptr, hidden_row, inner, RO1, RO2, KI1, KI2)
     wait_for_previous_grid(USE_PDL)
-    if PREFETCH:  # the weights of the kernel after this one, while this one reads L2
-        prefetch_next_weights(
-            next_address0, next_bytes0, next_address1, next_bytes1, next_address2, next_bytes2,
-            pid, programs, NUM_NEXT,
-        )  # fmt: skip
-    if FIRST <= OUT_PROJ:
-        for item in range(pid, out_items, programs):
-            gemv_tile(
-                item // OUT_SPLIT, item % OUT_SPLIT, attn_ptr, out_w_ptr, out_w_ptr, x_ptr,
-                partial_ptr, arrivals_ptr, attn_ptr, out_w_ptr, x_ptr, num_rows, hidden,
-                attn_width, out_k_per_split, stride_am, stride_out_wn, stride_xm, 0, 0, eps,
-                PLAIN, False, False, BLOCK_N, OUT_BLOCK_K, BLOCK_M, OUT_SPLIT, 1,
-                DOT_PRECISION,
-            )  # fmt: skip
-    if FIRST < GATE_UP and LAST >= GATE_UP:
-        grid_barrier(barrier_ptr, programs)
-    if FIRST <= GATE_UP and LAST >= GATE_UP:
-        for item in range(pid, gate_up_items, programs):
-            gemv_tile(
-                item // GATE_UP_SPLIT, item % GATE_UP_SPLIT, x_ptr, gate_up_w_ptr,
-                gate_up_w_ptr, gate_up_ptr, partial_ptr, arrivals_ptr, residual_ptr,
-                norm_weight_ptr, residual_out_ptr, num_rows, gate_up_n, hidden,
-                gate_up_k_per_split, stride_xm, stride_gate_up_wn, stride_gate_up_m,
-                stride_rm, stride_rom, eps, RMS_NORM, HAS_RESIDUAL, False, BLOCK_N,
-                GATE_UP_BLOCK_K, BLOCK_M, GATE_UP_SPLIT, K_CHUNKS, DOT_PRECISION,
-            )  # fmt: skip
-    if FIRST < DOWN and LAST >= DOWN:
-        grid_barrier(barrier_ptr, programs)
-    if LAST >= DOWN:
-        for item in range(pid, down_items, programs):
-            gemv_tile(
-                item // DOWN_SPLIT, item % DOWN_SPLIT, gate_up_ptr, down_w_ptr, down_w_ptr,
-                y_ptr, partial_ptr, arrivals_ptr, gate_up_ptr, down_w_ptr, y_ptr, num_rows,
-                hidden, inner, down_k_per_split, stride_gate_up_m, stride_down_wn, stride_ym,
-                0, 0, eps, SILU_AND_MUL, False, False, BLOCK_N, DOWN_BLOCK_K, BLOCK_M,
-                DOWN_SPLIT, 1, DOT_PRECISION,
-            )  # fmt: skip
+
+    if HAS_OUT_PROJ and FIRST == 0:
+        a1, a2 = _load_vector(attn_ptr, KA1, KA2)
+        x1, x2 = _matvec(o11, o12, o21, o22, a1.to(tl.float32), a2.to(tl.float32))
+        _store_rows(x_ptr, hidden_row, x1, x2, RO1, RO2)  # rounded as the GEMV's output
+        if LAST >= 1:
+            grid_barrier(barrier_ptr, programs)
+
+    if FIRST <= 1 and LAST >= 1:
+        s1, s2 = _load_vector(x_ptr, KH1, KH2)
+        if HAS_RESIDUAL:
+            r1, r2 = _load_vector(residual_ptr, KH1, KH2)
+            s1 = (r1.to(tl.float32) + s1.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+            s2 = (r2.to(tl.float32) + s2.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+            # Every program has the whole stream; each writes its own rows of it.
+            _store_own(stream_ptr, s1, s2, hidden_row, hidden_row + RO1 + RO2, KH1, KH2)
+        s1 = s1.to(x_ptr.dtype.element_ty).to(tl.float32)
+        s2 = s2.to(x_ptr.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(s1 * s1, axis=0) + tl.sum(s2 * s2, axis=0)) / hidden + eps)
+        w1, w2 = _load_vector(norm_weight_ptr, KH1, KH2)
+        n1 = weighted_rms(s1, rstd, w1.to(tl.float32), x_ptr).to(tl.float32)
+        n2 = weighted_rms(s2, rstd, w2.to(tl.float32), x_ptr).to(tl.float32)
+        gate1, gate2 = _matvec(g11, g12, g21, g22, n1, n2)
+        up1, up2 = _matvec(u11, u12, u21, u22, n1, n2)
+        # gate and up rounded as the gate_up GEMV's output, then the activation's math
+        gate1 = gate1.to(x_ptr.dtype.element_ty).to(tl.float32)
+        gate2 = gate2.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up1 = up1.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up2 = up2.to(x_ptr.dtype.element_ty).to(tl.float32)
+        act1 = silu_times(gate1, up1, x_ptr)
+        act2 = silu_times(gate2, up2, x_ptr)
+        _store_rows(act_ptr, inner_row, act1, act2, RI1, RI2)
+        if LAST == 2:
+            grid_barrier(barrier_ptr, programs)
+
+    if LAST == 2:
+        h1, h2 = _load_vector(act_ptr, KI1, KI2)
+        y1, y2 = _matvec(d11, d12, d21, d22, h1.to(tl.float32), h2.to(tl.float32))
+        _store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
 
 
-def gated_mlp_small_batch(
+def check_mlp_operands(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    out_weight: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """(hidden, inner, attn_width) of checked operands, naming the one that is off."""
+    if down.dim() != 2 or gate_up.dim() != 2:
+        raise ValueError(
+            f"gate_up must be (2I, H) and down (H, I), got {tuple(gate_up.shape)} and "
+            f"{tuple(down.shape)}"
+        )
+    hidden, inner = down.shape
+    if gate_up.shape != (2 * inner, hidden):
+        raise ValueError(f"gate_up must be ({2 * inner}, {hidden}), got {tuple(gate_up.shape)}")
+    attn_width = hidden if out_weight is None else out_weight.shape[-1]
+    if out_weight is not None and out_weight.shape != (hidden, attn_width):
+        raise ValueError(f"out_weight must be ({hidden}, K), got {tuple(out_weight.shape)}")
+    if x.shape != (1, attn_width):
+        raise ValueError(f"x must be one row (1, {attn_width}), got {tuple(x.shape)}")
+    if residual is not None and residual.shape != (1, hidden):
+        raise ValueError(f"residual must be (1, {hidden}), got {tuple(residual.shape)}")
+    if norm_weight.shape != (hidden,):
+        raise ValueError(f"norm_weight must be ({hidden},), got {tuple(norm_weight.shape)}")
+    weights = (gate_up, down) if out_weight is None else (gate_up, down, out_weight)
+    for tensor in (x, residual, norm_weight, *weights):
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError("gated_mlp_one_row needs contiguous operands")
+    if any(w.dtype != x.dtype for w in weights):
+        raise ValueError(f"the weights' dtype must be x's ({x.dtype})")
+    return hidden, inner, attn_width
+
+
+def plan_for(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out_weight: torch.Tensor | None
+) -> RegisterPlan | None:
+    """The register plan of this MLP on x's device (None: it takes the GEMVs)."""
+    hidden, inner = down.shape
+    attn_width = hidden if out_weight is None else out_weight.shape[-1]
+    return RegisterPlan.of(hidden, inner, attn_width, x.element_size(), num_sms(x.device))
+
+
+def gated_mlp_one_row(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
     out_weight: torch.Tensor | None = None,
-    prefetch: tuple[torch.Tensor, ...] = (),
-    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(down(silu(gate) * up) of RMSNorm(residual + x), the residual stream) for at most
-    MAX_ROWS rows, no biases: gate_up_weight (2I, H), gate then up; down_weight (H, I).
-    With `out_weight` (H, A), x is an attention's output (M, A) and goes through that
-    projection first: the rest of a decoder layer after its attention. The same bits as
-    the GEMVs it replaces; the stream as theirs, a new tensor (without a residual, the
-    MLP's input itself). `prefetch`: up to three weights the next kernel reads, asked of
-    L2 (on CUDA with PDL) while this one runs from it. `num_stages`: the GEMV loops' pipeline
-    depth (None: the GEMV's); fewer leave shared memory for the next kernel's programs to
-    start beside these (benchmarks/bench_persistent.py --stages sweeps it)."""
-    check_num_stages(num_stages)
-    first_weight = gate_up_weight if out_weight is None else out_weight  # what x meets
-    check_operands(x, first_weight, None, x.shape[-1])
-    attn = None
-    if out_weight is not None:
-        attn, x = x, x.new_empty(x.shape[0], out_weight.shape[0])
-    hidden = x.shape[-1]
-    check_norm_operands(x, residual, norm_weight)
-    inner = gate_up_weight.shape[0] // 2
-    if gate_up_weight.shape != (2 * inner, hidden):
+    """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream) for one row x,
+    x first projected by `out_weight` (H, attn_width) where given: `ops.gated_mlp`'s
+    math in one kernel. The stream is a new tensor (x's projection without a residual).
+    Raises ValueError where `plan_for` has no plan."""
+    hidden, inner, _ = check_mlp_operands(x, residual, norm_weight, gate_up, down, out_weight)
+    plan = plan_for(x, gate_up, down, out_weight)
+    if plan is None:
         raise ValueError(
-            f"gate_up_weight must be (2I, {hidden}), got {tuple(gate_up_weight.shape)}"
+            f"an MLP of hidden {hidden} and inner {inner} does not fit in registers; "
+            "use ops.gated_mlp, which takes the GEMVs for it"
         )
-    if down_weight.shape != (hidden, inner) or down_weight.stride(1) != 1:
-        raise ValueError(
-            f"down_weight must be ({hidden}, {inner}) with contiguous rows, "
-            f"got {tuple(down_weight.shape)}"
-        )
-    if down_weight.dtype != x.dtype:
-        raise ValueError(f"down_weight's dtype {down_weight.dtype} must be x's ({x.dtype})")
-    num_rows = x.shape[0]
-    residual_out = x if residual is None else torch.empty_like(residual)
-    gate_up = x.new_empty(num_rows, 2 * inner)
-    y = x.new_empty(num_rows, hidden)
-    if not num_rows:
-        return y, residual_out
-    out = up = Tiling.of(gate_up_weight)
-    if out_weight is not None:
-        out = Tiling.of(out_weight)
-    down = Tiling.of(down_weight)
-    partials, arrivals = split_scratch(y, out, up, down)
-    launch = pdl_launch(x.device)
-    grid = persistent_grid(max(out.items, up.items, down.items), num_sms(x.device))
-    stages = (OUT_PROJ, GATE_UP, DOWN) if attn is not None else (GATE_UP, DOWN)
-    next_addresses, next_count = next_weights(prefetch)
-    for first, last in stage_launches(stages, x.device):
-        _gated_mlp_kernel[(grid,)](
-            x if attn is None else attn,  # never read without OUT_PROJ
-            first_weight,  # the output projection's, read by OUT_PROJ only
+    projected = x.new_empty(1, hidden) if out_weight is not None else x
+    stream = projected if residual is None else torch.empty_like(residual)
+    act = x.new_empty(inner)
+    y = x.new_empty(1, hidden)
+    barrier = barrier_counter("gated_mlp_one_row", x.device, plan.programs)
+    first = OUT_PROJ if out_weight is not None else GATE_UP
+    for first_stage, last_stage in stage_launches(tuple(range(first, DOWN + 1)), x.device):
+        _gated_mlp_kernel[(plan.programs,)](
             x,
+            x if out_weight is None else out_weight,  # never read without HAS_OUT_PROJ
+            projected,
             x if residual is None else residual,  # never read without HAS_RESIDUAL
             norm_weight,
-            residual_out,
-            gate_up_weight,
+            stream,
             gate_up,
-            down_weight,
+            act,
+            down,
             y,
-            partials,
-            arrivals,
-            barrier_counter("gated_mlp", x.device, grid),
-            first_weight.data_ptr(),
-            gate_up_weight.data_ptr(),
-            down_weight.data_ptr(),
-            *next_addresses,
-            num_rows,
-            0 if attn is None else attn.shape[1],
+            barrier,
+            plan.attn_k[0] + plan.attn_k[1],
             hidden,
             inner,
-            out.k_per_split,
-            up.k_per_split,
-            down.k_per_split,
-            0 if attn is None else attn.stride(0),
-            0 if out_weight is None else out_weight.stride(0),
-            x.stride(0),
-            0 if residual is None else residual.stride(0),
-            residual_out.stride(0),
-            gate_up_weight.stride(0),
-            gate_up.stride(0),
-            down_weight.stride(0),
-            y.stride(0),
             eps,
+            HAS_OUT_PROJ=out_weight is not None,
             HAS_RESIDUAL=residual is not None,
-            BLOCK_N=up.config.block_n,
-            BLOCK_M=MAX_ROWS,
-            OUT_BLOCK_K=out.config.block_k,
-            OUT_SPLIT=out.config.split_k,
-            OUT_LINE=out.line_elements,
-            GATE_UP_BLOCK_K=up.config.block_k,
-            GATE_UP_SPLIT=up.config.split_k,
-            GATE_UP_LINE=up.line_elements,
-            K_CHUNKS=up.k_chunks,
-            DOWN_BLOCK_K=down.config.block_k,
-            DOWN_SPLIT=down.config.split_k,
-            DOWN_LINE=down.line_elements,
-            DOT_PRECISION=dot_precision(x.dtype),
-            PREFETCH=launch["USE_PDL"],
-            NUM_NEXT=next_count,
-            FIRST=first,
-            LAST=last,
-            num_warps=up.config.num_warps,
-            num_stages=num_stages or up.config.num_stages,
-            **launch,
+            RO1=plan.hidden_rows[0],
+            RO2=plan.hidden_rows[1],
+            RI1=plan.inner_rows[0],
+            RI2=plan.inner_rows[1],
+            KA1=plan.attn_k[0],
+            KA2=plan.attn_k[1],
+            KH1=plan.hidden_k[0],
+            KH2=plan.hidden_k[1],
+            KI1=plan.inner_k[0],
+            KI2=plan.inner_k[1],
+            FIRST=first_stage,
+            LAST=last_stage,
+            num_warps=NUM_WARPS,
+            **pdl_launch(x.device),
         )
-    return y, residual_out
+    return y, stream

@@ -3,11 +3,11 @@
 A decode step's kernels are each a few microseconds long, and a kernel boundary costs
 ~2 us even with PDL (the next grid waits for the whole previous one to drain and flush,
 BENCHMARKS.md 2026-12-05). A persistent kernel runs several of those stages with a
-barrier between them instead: every program asks for the next stage's weights first,
-then waits at the barrier while they stream in.
+barrier between them instead: every program loads its later stages' weights first,
+and they stream in while it waits at the barriers.
 
 The barrier needs every program resident at once, so such a kernel launches at most one
-program per SM (`persistent_grid`). Programs of the kernel before may still hold SMs
+program per SM. Programs of the kernel before may still hold SMs
 when it starts; they finish on their own, so the kernel's programs all get one. PDL
 lets the kernel after start only once every program of this one has passed
 `wait_for_previous_grid`, so it never takes the place of one that has not started.
@@ -65,15 +65,3 @@ def stage_launches(stages: tuple, device: torch.device) -> list[tuple]:
     if device.type == "cuda":
         return [(stages[0], stages[-1])]
     return [(stage, stage) for stage in stages]
-
-
-def check_num_stages(num_stages: int | None) -> None:
-    """A persistent kernel's pipeline depth: None (its GEMV's) or a positive int."""
-    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
-        raise ValueError(f"num_stages must be a positive int or None, got {num_stages!r}")
-
-
-def persistent_grid(work_items: int, num_sms: int) -> int:
-    """Programs of a persistent kernel: one per work item of its widest stage, at most one
-    per SM so that all of them are resident together (the barrier's condition)."""
-    return max(1, min(work_items, num_sms))

@@ -147,7 +147,7 @@ def attention_tile(
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q < q_len:  # no early return: persistent kernels call this in a loop
+    if q_tile * BLOCK_Q < q_len:  # no early return: Triton forbids one in a looped-over call
         context_len = tl.load(context_lens_ptr + seq)
 
         rows = tl.arange(0, BLOCK_M)

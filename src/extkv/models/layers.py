@@ -211,7 +211,7 @@ class GatedMLP(nn.Module):
         """x (T, hidden_size) -> (down(act(gate) * up) of `norm(x, residual)`, summed over
         the ranks; the residual stream). Where a decode step's GEMV runs, the norm is fused
         into the gate/up projection and SiLU into the down projection; without biases the
-        two run in one kernel (`ops.gated_mlp`)."""
+        two run as one op (`ops.gated_mlp`: one kernel for one row)."""
         if self._one_kernel():
             y, residual = ops.gated_mlp(x, residual, self._weights(norm))
             return self.down_proj.tp.all_reduce(y), residual
@@ -226,14 +226,12 @@ class GatedMLP(nn.Module):
         out_proj: RowParallelLinear,
         residual: torch.Tensor | None,
         norm: RMSNorm,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of `out_proj(attn)`: an attention's output projection and this MLP in
-        one kernel where they can be (`ops.gated_mlp`: one rank, no biases), which asks L2
-        for `prefetch`, the weights of what comes next."""
+        one op where they can be (`ops.gated_mlp`: one rank, no biases)."""
         if self._one_kernel() and out_proj.tp.size == 1 and out_proj.bias is None:
             weights = self._weights(norm)
-            y, residual = ops.gated_mlp(attn, residual, weights, out_proj.weight, prefetch)
+            y, residual = ops.gated_mlp(attn, residual, weights, out_proj.weight)
             return self.down_proj.tp.all_reduce(y), residual
         return self(out_proj(attn), residual, norm)
 
@@ -242,12 +240,10 @@ class GatedMLP(nn.Module):
         no_bias = self.gate_up_proj.bias is None and self.down_proj.bias is None
         return self.activation == "silu" and no_bias
 
-    def weights(self) -> tuple[torch.Tensor, ...]:
-        """The MLP's weights, for the kernel before it to ask L2 for."""
-        return self.gate_up_proj.weight, self.down_proj.weight
-
     def _weights(self, norm: RMSNorm) -> ops.GatedMLPWeights:
-        return ops.GatedMLPWeights(norm.weight, norm.eps, *self.weights())
+        return ops.GatedMLPWeights(
+            norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight
+        )
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of x as it is, no norm before, and this rank's share of it

@@ -7,7 +7,6 @@ cache) in the forward context.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -96,16 +95,14 @@ class DecoderAttention(nn.Module):
         norm: RMSNorm,
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` up to the output projection: (the heads' outputs (T, heads * head_dim),
-        the residual stream), for a layer that runs `o_proj` in its MLP's kernel; a decode
-        step's attention kernel asks L2 for `prefetch`, the weights read next."""
+        the residual stream), for a layer that runs `o_proj` in its MLP's kernel."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         args = (hidden, residual, norm, self.qkv_proj, positions, cos_sin_cache, qk_norm)
-        return self.attn.normed_forward(*args, prefetch)
+        return self.attn.normed_forward(*args)
 
 
 class DecoderLayer(nn.Module):
@@ -125,9 +122,6 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # What the next layer reads first, for this one's last kernel to ask L2 for
-        # (DecoderModel sets it).
-        self.prefetch_next: tuple[torch.Tensor, ...] = ()
 
     def fuses_out_proj(self) -> bool:
         """Whether the attention's output projection runs in the MLP's kernel (a Llama-style
@@ -148,8 +142,8 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         if self.fuses_out_proj():
             out_proj = self.self_attn.o_proj
-            out, residual = self.self_attn.attend(*args, (out_proj.weight, *self.mlp.weights()))
-            return self.mlp.after_projection(out, out_proj, residual, norm, self.prefetch_next)
+            out, residual = self.self_attn.attend(*args)
+            return self.mlp.after_projection(out, out_proj, residual, norm)
         hidden, residual = self.self_attn(*args)
         return self.mlp(hidden, residual, norm)
 
@@ -176,10 +170,6 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = embed_scale
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        for layer, following in itertools.pairwise(self.layers):
-            both = isinstance(layer, DecoderLayer) and isinstance(following, DecoderLayer)
-            if both and following.fuses_out_proj():
-                layer.prefetch_next = (following.self_attn.qkv_proj.weight,)
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
         if rotary is None:
             rotary = RotaryEmbedding(

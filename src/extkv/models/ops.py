@@ -122,16 +122,15 @@ def rms_norm_linear(
 
 
 def persistent_decode() -> bool:
-    """EXTKV_PERSISTENT: whether a CUDA decode step's layers run as two persistent kernels
-    each, the attention sublayer in one and the rest in the other (1: extkv.kernels.
-    decode_attention and gated_mlp, the same bits), or as the seven kernels they replace
-    (0, the default). Opt-in until measured faster: in their first form (no weights asked
-    of L2 across kernels) a Qwen3-0.6B-shaped batch-1 step took 1.325 ms against 1.088 on
-    an H100 (BENCHMARKS.md, 2026-12-05 session 5); `gpu-check persistent` measures both."""
-    wanted = os.environ.get("EXTKV_PERSISTENT", "0")
+    """EXTKV_PERSISTENT: whether a CUDA decode step of one sequence runs each layer's MLP
+    sublayer (output projection, norm, gate_up, SiLU, down) as one kernel with its weights
+    in registers where they fit (1, the default: extkv.kernels.gated_mlp), or as the three
+    GEMVs (0). On an H100, Qwen3-0.6B's shape, the sublayer took 13.8 us against 18.9
+    (BENCHMARKS.md, 2026-12-05 session 6); `gpu-check persistent` measures both."""
+    wanted = os.environ.get("EXTKV_PERSISTENT", "1")
     if wanted not in ("0", "1"):
         raise ValueError(
-            "EXTKV_PERSISTENT must be 0 (separate decode kernels) or 1 (persistent ones), "
+            "EXTKV_PERSISTENT must be 0 (separate GEMVs) or 1 (the one-row MLP kernel), "
             f"got {wanted!r}"
         )
     return wanted == "1"
@@ -153,19 +152,19 @@ def gated_mlp(
     residual: torch.Tensor | None,
     mlp: GatedMLPWeights,
     out_weight: torch.Tensor | None = None,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream); with `out_weight`
-    x is an attention's output, projected by it first (one rank, no bias). Where the GEMV
-    runs, all of it is one persistent kernel (extkv.kernels.gated_mlp: the same bits as
-    `linear`, `rms_norm_linear` and `silu_and_mul_linear`, without the kernel boundaries
-    between them), which also asks L2 for `prefetch`, weights the next kernel reads."""
+    x is an attention's output, projected by it first (one rank, no bias). One row on
+    CUDA whose weights fit in registers runs as one kernel (extkv.kernels.gated_mlp);
+    other decode rows take the fused GEMVs."""
     weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
-    one_kernel = takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights)
-    if one_kernel and persistent_decode():
-        from extkv.kernels.gated_mlp import gated_mlp_small_batch
+    gemv = takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights)
+    if gemv and x.shape[0] == 1 and persistent_decode():
+        from extkv.kernels.gated_mlp import gated_mlp_one_row, plan_for
 
-        return gated_mlp_small_batch(x, residual, mlp.norm, mlp.eps, *weights, prefetch=prefetch)
+        contiguous = all(t.is_contiguous() for t in (x, mlp.norm, *weights))
+        if contiguous and plan_for(x, mlp.gate_up, mlp.down, out_weight) is not None:
+            return gated_mlp_one_row(x, residual, mlp.norm, mlp.eps, *weights)
     if out_weight is not None:
         x = linear(x, out_weight)
     gate_up, residual = rms_norm_linear(x, residual, mlp.norm, mlp.eps, mlp.gate_up)
