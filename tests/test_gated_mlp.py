@@ -256,8 +256,7 @@ def test_gated_mlp_one_row_gpu(shape: tuple[int, int, int]) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_ops_take_the_kernel_at_one_row_gpu(shape: tuple[int, int, int]) -> None:
-    """ops.gated_mlp runs the kernel for one row where it has a plan (its bits), the
-    GEMVs for more rows or with EXTKV_PERSISTENT=0."""
+    """ops.gated_mlp runs the kernel for one row where it has a plan: its bits."""
     o = operands(*shape, torch.bfloat16, "cuda")
     assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"]) is not None
     mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])

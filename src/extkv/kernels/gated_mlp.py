@@ -8,8 +8,9 @@ Here every program (one per SM) first loads its row slice of all three weights i
 registers, before it waits for the kernel before (PDL); the stages then only read
 their small inputs and reduce, with a grid barrier where the GEMVs had a boundary.
 So the weights stream at once, at the full bandwidth, while the attention ends and the
-stages' round trips run. On an H100, Qwen3-0.6B's shape: 13.8 us for the sublayer
-against 18.9 for the three GEMVs (BENCHMARKS.md, 2026-12-05 session 6).
+stages' round trips run. On an H100, Qwen3-0.6B's shape: 14.0 us for the sublayer
+against 18.7 for the three GEMVs, and a batch-1 decode step of 0.990 ms against 1.090
+(BENCHMARKS.md, 2026-12-05 session 6).
 
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums

@@ -125,7 +125,7 @@ def persistent_decode() -> bool:
     """EXTKV_PERSISTENT: whether a CUDA decode step of one sequence runs each layer's MLP
     sublayer (output projection, norm, gate_up, SiLU, down) as one kernel with its weights
     in registers where they fit (1, the default: extkv.kernels.gated_mlp), or as the three
-    GEMVs (0). On an H100, Qwen3-0.6B's shape, the sublayer took 13.8 us against 18.9
+    GEMVs (0). On an H100, Qwen3-0.6B's shape, a batch-1 step took 0.990 ms against 1.090
     (BENCHMARKS.md, 2026-12-05 session 6); `gpu-check persistent` measures both."""
     wanted = os.environ.get("EXTKV_PERSISTENT", "1")
     if wanted not in ("0", "1"):
