@@ -242,7 +242,7 @@ def _gated_mlp_kernel(
         _store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
 
 
-def check_mlp_operands(
+def _check_operands(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
@@ -299,7 +299,7 @@ def gated_mlp_one_row(
     x first projected by `out_weight` (H, attn_width) where given: `ops.gated_mlp`'s
     math in one kernel. The stream is a new tensor (x's projection without a residual).
     Raises ValueError where `plan_for` has no plan."""
-    hidden, inner, _ = check_mlp_operands(x, residual, norm_weight, gate_up, down, out_weight)
+    hidden, inner, _ = _check_operands(x, residual, norm_weight, gate_up, down, out_weight)
     plan = plan_for(x, gate_up, down, out_weight)
     if plan is None:
         raise ValueError(
