@@ -8,6 +8,8 @@ on Qwen3-0.6B's layer shape, and what one grid barrier costs.
   projection (one kernel) against the three GEMVs (o_proj, norm + gate_up, SiLU + down).
 - `layer`: the attention sublayer's four kernels (norm + qkv GEMV, q/k norm + rotary + KV
   store, split attention and its merge over `--context` tokens) then the MLP either way.
+- `layer next qkv`: the MLP kernel also makes the next layer's qkv (EXTKV_PERSISTENT=2),
+  whose attention then starts at the q/k norm: 4 kernels against the 7.
 
 Each runs as a CUDA graph over 28 layers' own weights and caches (none served from L2
 by the layer before), as in the decode step; `us` is per layer. Run it with EXTKV_PDL=0
@@ -104,10 +106,15 @@ class Layers:
             }
             for _ in range(LAYERS)
         ]
+        # The qkv the layer before made (`layer_handing_qkv`): layer 0's, to start.
+        self.handed, _ = rms_norm_linear_small_batch(
+            self.x, self.residual, self.norm, 1e-6, self.weights[0]["qkv"]
+        )
 
-    def attention_apart(self, i: int) -> torch.Tensor:
+    def attention_apart(self, i: int, qkv: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weights[i]
-        qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
+        if qkv is None:
+            qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
         q = qk_norm_rope_store(
             qkv, self.positions, self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm,
             1e-6, w["cache"][:, 0], w["cache"][:, 1], self.slots,
@@ -131,6 +138,14 @@ class Layers:
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
 
+    def layer_handing_qkv(self, i: int) -> None:
+        w, following = self.weights[i], self.weights[(i + 1) % LAYERS]
+        attn = self.attention_apart(i, self.handed)
+        self.handed, _ = gated_mlp_one_row(
+            attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"],
+            (self.norm, 1e-6, following["qkv"]),
+        )  # fmt: skip
+
 
 def measure(context: int) -> dict[str, dict[str, float]]:
     """Per layer at batch 1, the MLP and the whole layer: {"fused": us, "apart": us}."""
@@ -138,6 +153,7 @@ def measure(context: int) -> dict[str, dict[str, float]]:
     cases = {
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
         "layer": (layers.layer, layers.layer_apart),
+        "layer next qkv": (layers.layer_handing_qkv, layers.layer_apart),
     }
     return {
         name: {"fused": graph_time_us(fused, LAYERS), "apart": graph_time_us(apart, LAYERS)}
@@ -156,11 +172,11 @@ def main() -> None:
     logger.info(
         "grid barrier on %d SMs: %.2f us", num_sms(torch.device("cuda")), results["barrier_us"]
     )
-    logger.info("%-10s %10s %10s %7s", "batch 1", "fused us", "apart us", "ratio")
+    logger.info("%-15s %10s %10s %7s", "batch 1", "fused us", "apart us", "ratio")
     for name, us in measure(args.context).items():
         results[name] = us
         ratio = us["fused"] / us["apart"]
-        logger.info("%-10s %10.2f %10.2f %7.3f", name, us["fused"], us["apart"], ratio)
+        logger.info("%-15s %10.2f %10.2f %7.3f", name, us["fused"], us["apart"], ratio)
     write_json(args.json, results)
 
 

@@ -320,26 +320,28 @@ def mamba_prefill_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, 
 
 def persistent_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
     """The batch-1 MLP kernel with all its stages (one launch, grid barriers) at the plans
-    of Qwen3-0.6B and SmolLM2-135M, with and without the output projection, bf16 and fp32
-    residual streams."""
+    of Qwen3-0.6B and SmolLM2-135M, with and without the output projection and the next
+    layer's norm + qkv, bf16 and fp32 residual streams."""
     jobs = []
     names = inspect.signature(gated_mlp._gated_mlp_kernel.fn).parameters
-    shapes = {"qwen3": (1024, 3072, 2048), "smollm2": (576, 1536, 576)}
-    for (shape, (hidden, inner, width)), out_proj, residual in itertools.product(
-        shapes.items(), (True, False), ("bf16", "fp32")
+    shapes = {"qwen3": (1024, 3072, 2048, 4096), "smollm2": (576, 1536, 576, 960)}
+    for (shape, (hidden, inner, width, qkv)), out_proj, residual, has_next in itertools.product(
+        shapes.items(), (True, False), ("bf16", "fp32"), (False, True)
     ):
-        plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132)
+        plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132, qkv if has_next else 0)
         types = {n: "*bf16" for n in names if n.endswith("_ptr")}
         types.update(barrier_ptr="*i64", residual_ptr=f"*{residual}", stream_ptr=f"*{residual}")
-        types["eps"] = "fp32"
+        types.update(next_stream_ptr=f"*{residual}", eps="fp32", next_eps="fp32")
         constexprs = dict(
-            HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, RO1=plan.hidden_rows[0],
+            HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, HAS_NEXT=has_next, RO1=plan.hidden_rows[0],
             RO2=plan.hidden_rows[1], RI1=plan.inner_rows[0], RI2=plan.inner_rows[1],
+            RN1=max(plan.next_rows[0], 1), RN2=plan.next_rows[1],
             KA1=plan.attn_k[0], KA2=plan.attn_k[1], KH1=plan.hidden_k[0], KH2=plan.hidden_k[1],
-            KI1=plan.inner_k[0], KI2=plan.inner_k[1], FIRST=0 if out_proj else 1, LAST=2,
+            KI1=plan.inner_k[0], KI2=plan.inner_k[1], FIRST=0 if out_proj else 1,
+            LAST=3 if has_next else 2,
             USE_PDL=True,
         )  # fmt: skip
-        name = f"gated_mlp {shape} out_proj={out_proj:d} residual={residual}"
+        name = f"gated_mlp {shape} out_proj={out_proj:d} residual={residual} next={has_next:d}"
         options = {"num_warps": gated_mlp.NUM_WARPS}
         jobs.append((gated_mlp._gated_mlp_kernel, (name, types, constexprs), options))
     return jobs

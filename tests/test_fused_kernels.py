@@ -407,7 +407,7 @@ def test_pending_tokens_gpu(rows: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("persistent", "num_seqs", "most"), [("0", 1, 7), ("1", 4, 7), ("1", 1, 5)]
+    ("persistent", "num_seqs", "most"), [("0", 1, 7), ("1", 4, 7), ("1", 1, 5), ("2", 1, 4)]
 )
 def test_decode_kernels_per_layer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, num_seqs: int, most: int
@@ -415,15 +415,39 @@ def test_decode_kernels_per_layer(
     """Kernels per decoder layer. With the GEMVs, at most 7: qkv (norm + residual add
     fused in), q/k norm + rotary + KV store, attention (2: split-K and merge), o_proj,
     gate_up (norm + add fused in), down (SiLU*mul fused in). One sequence with
-    EXTKV_PERSISTENT=1 (the default), 5: the last three are the one-row MLP kernel.
-    Counted as the difference between a 4- and a 2-layer model, so the embedding and
-    final norm are left out."""
+    EXTKV_PERSISTENT=1 (the default), 5: the last three are the one-row MLP kernel; with
+    2, 4: that kernel runs the next layer's qkv GEMV too. Counted as the difference
+    between a 4- and a 2-layer model, so the embedding and final norm are left out."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
     four = decode_step_kernels(tmp_path / "4", 4, num_seqs)
     two = decode_step_kernels(tmp_path / "2", 2, num_seqs)
     per_layer = (four.total() - two.total()) / 2
     print(f"\ndecode step: {per_layer:g} kernels per decoder layer")
     assert per_layer <= most, f"{per_layer} kernels per decoder layer; two layers add {four - two}"
+
+
+@pytest.mark.gpu
+def test_next_layers_qkv_in_the_mlp_kernel_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sequence's decode step through 4 layers, each MLP kernel making the next layer's
+    qkv (EXTKV_PERSISTENT=2): within bf16 roundings of the layers each making their own
+    (1), and the same K/V written."""
+    model = qwen3_shaped(tmp_path, 4)
+    bind_cache(model, 16, 16)
+    metadata = decode_metadata([100], 16, 16)
+    ids, positions = torch.tensor([7], device="cuda"), torch.tensor([99], device="cuda")
+    outputs, caches = [], []
+    for level in ("1", "2"):
+        monkeypatch.setenv("EXTKV_PERSISTENT", level)
+        with torch.inference_mode(), set_forward_context(ForwardContext((metadata,))):
+            outputs.append(model(ids, positions).float())
+        caches.append(
+            [a.k_cache[6, 3].clone() for a in model.modules() if isinstance(a, Attention)]
+        )
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0.05, atol=0.05)
+    for one, two in zip(*caches, strict=True):
+        torch.testing.assert_close(one.float(), two.float(), rtol=0.05, atol=0.05)
 
 
 @dataclass

@@ -94,6 +94,22 @@ def test_greedy_follows_transformers_in_bf16(small_qwen3: Path) -> None:
     assert_follows_transformers_in_bf16(small_qwen3, prompts, ours, tolerance=0.02)
 
 
+@pytest.mark.parametrize("persistent", ["0", "1", "2"])
+def test_one_sequence_at_a_time_follows_transformers_in_bf16(
+    small_qwen3: Path, monkeypatch: pytest.MonkeyPatch, persistent: str
+) -> None:
+    """Batch-1 decode steps (the one-row MLP kernel's, captured in graphs) follow
+    transformers as the batched ones do: with the GEMVs (EXTKV_PERSISTENT=0), the MLP
+    kernel (1) and the MLP kernel making the next layer's qkv (2)."""
+    monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
+    prompts = random_prompts(3, 4096, seed=2)
+    llm = LLM(small_qwen3, max_model_len=512, max_num_seqs=1)
+    assert llm.engine.runner.graphs is not None
+    ours = extkv_tokens(llm, prompts, greedy(16))
+    llm.close()
+    assert_follows_transformers_in_bf16(small_qwen3, prompts, ours, tolerance=0.02)
+
+
 def test_resize_and_sleep_keep_the_graphs_captured_at_start_up(small_qwen3: Path) -> None:
     """Elastic memory on the device: after a resize down and up and a sleep at each level,
     the decode graphs captured at start-up (the same objects: nothing is captured again)
