@@ -12,6 +12,11 @@ stages' round trips run. On an H100, Qwen3-0.6B's shape: 14.0 us for the sublaye
 against 18.7 for the three GEMVs, and a batch-1 decode step of 0.990 ms against 1.090
 (BENCHMARKS.md, 2026-12-05 session 6).
 
+Given the next layer's norm and qkv weight (`next_qkv`, EXTKV_PERSISTENT=2), a fourth
+stage makes that layer's qkv from the new residual stream, its weight slice loaded
+into the registers gate/up's slices free, and the layer's own qkv GEMV goes: a layer
+of the prototype took 27.9 us against 29.5 (same section).
+
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
 run in another order than the GEMVs' tiles, so outputs may differ from theirs in the
