@@ -246,16 +246,23 @@ def log_layer_table(kernels: list[dict], num_layers: int) -> None:
     the step's critical path, the time from the previous kernel's end to its own (with
     PDL kernels overlap, so their durations do not add up; these do), averaged over the
     layers but the first and last. A layer starts at the step's first GEMV (the decode
-    GEMV's batches only: up to 16 rows)."""
+    GEMV's batches only: up to 16 rows), or ends at each one-row MLP kernel where those
+    run (with EXTKV_PERSISTENT=2 only the first layer has a qkv GEMV: it counts before
+    the layers)."""
     ends = [k["ts"] + k["dur"] for k in kernels]
     shares = [ends[0] - kernels[0]["ts"], *(b - a for a, b in itertools.pairwise(ends))]
     first = next((i for i, k in enumerate(kernels) if "gemv" in k["name"]), None)
+    mlps = [i for i, k in enumerate(kernels) if "_gated_mlp_kernel" in k["name"]]
     if first is None or num_layers < 3:
         logger.info("layer table: none (it needs 3+ layers and the GEMV: batches of <= 16)")
         return
-    per_layer = (len(kernels) - first) // num_layers  # the layers' kernels, then the tail's
-    while per_layer > 1 and kernels[first + per_layer]["name"] != kernels[first]["name"]:
-        per_layer -= 1
+    if len(mlps) >= 2:
+        per_layer = mlps[1] - mlps[0]
+        first = mlps[0] - per_layer + 1
+    else:
+        per_layer = (len(kernels) - first) // num_layers  # the layers' kernels, then the tail's
+        while per_layer > 1 and kernels[first + per_layer]["name"] != kernels[first]["name"]:
+            per_layer -= 1
     inner = range(1, num_layers - 1)
     last = first + num_layers * per_layer
     logger.info(

@@ -328,6 +328,7 @@ def persistent_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dic
     for (shape, (hidden, inner, width, qkv)), out_proj, residual, has_next in itertools.product(
         shapes.items(), (True, False), ("bf16", "fp32"), (False, True)
     ):
+        width = width if out_proj else 0
         plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132, qkv if has_next else 0)
         types = {n: "*bf16" for n in names if n.endswith("_ptr")}
         types.update(barrier_ptr="*i64", residual_ptr=f"*{residual}", stream_ptr=f"*{residual}")
@@ -336,7 +337,8 @@ def persistent_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dic
             HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, HAS_NEXT=has_next, RO1=plan.hidden_rows[0],
             RO2=plan.hidden_rows[1], RI1=plan.inner_rows[0], RI2=plan.inner_rows[1],
             RN1=max(plan.next_rows[0], 1), RN2=plan.next_rows[1],
-            KA1=plan.attn_k[0], KA2=plan.attn_k[1], KH1=plan.hidden_k[0], KH2=plan.hidden_k[1],
+            KA1=max(plan.attn_k[0], 1), KA2=plan.attn_k[1], KH1=plan.hidden_k[0],
+            KH2=plan.hidden_k[1],
             KI1=plan.inner_k[0], KI2=plan.inner_k[1], FIRST=0 if out_proj else 1,
             LAST=3 if has_next else 2,
             USE_PDL=True,

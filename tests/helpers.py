@@ -638,3 +638,15 @@ def assert_encoder_cache_released(llm: LLM) -> None:
     assert cache.num_used_tokens <= cache.num_tokens
     runner = llm.engine.runner
     assert len(runner.encoder_outputs) == cache.num_entries
+
+
+@torch.no_grad()
+def vary_norms(model: torch.nn.Module) -> None:
+    """Give every RMSNorm its own weights (about 1 +- 0.1) and eps: random checkpoints
+    leave them all ones and alike, so a norm taken for another would go unseen."""
+    from extkv.models.layers import RMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for i, norm in enumerate(norms):
+        norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight, dtype=torch.float32))
+        norm.eps = 1e-6 * (i + 1)

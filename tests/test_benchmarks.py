@@ -42,31 +42,65 @@ def test_smollm2_smoke(smollm2_gguf: Path) -> None:
     run_smoke("bench_smollm2.py", "--gguf", str(smollm2_gguf))
 
 
-def test_layer_table_adds_up_the_critical_path(caplog: pytest.LogCaptureFixture) -> None:
-    """bench_step's layer table on a made-up trace: 2 kernels before the layers, 4 layers of
-    3 kernels (the first a GEMV; the middle one overlapping the one before, as under PDL),
-    a 2-kernel tail. Each kernel's share is from the previous kernel's end to its own."""
+def layer_table(
+    caplog: pytest.LogCaptureFixture, trace: list[tuple[str, float, float]]
+) -> list[str]:
+    """bench_step's layer table of 4 layers over `trace`: (name, start after the previous
+    kernel's end, duration) each."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_step
     finally:
         sys.path.remove(str(BENCHMARKS))
     kernels, clock = [], 0.0
-    for name, start_after, duration in [
-        ("embed", 0, 1),
-        ("tokens", 1, 1),
-        *[("_gemv_kernel", 1, 4), ("_paged_attention", -2, 5), ("_merge", 0.5, 1)] * 4,
-        ("nvjet", 1, 20),
-        ("argmax", 1, 2),
-    ]:
+    for name, start_after, duration in trace:
         kernels.append({"name": name, "ts": clock + start_after, "dur": duration})
         clock = kernels[-1]["ts"] + duration
     with caplog.at_level("INFO", logger="bench_step"):
         bench_step.log_layer_table(kernels, 4)
-    lines = [r.getMessage() for r in caplog.records]
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_layer_table_adds_up_the_critical_path(caplog: pytest.LogCaptureFixture) -> None:
+    """bench_step's layer table on a made-up trace: 2 kernels before the layers, 4 layers of
+    3 kernels (the first a GEMV; the middle one overlapping the one before, as under PDL),
+    a 2-kernel tail. Each kernel's share is from the previous kernel's end to its own."""
+    lines = layer_table(
+        caplog,
+        [
+            ("embed", 0, 1),
+            ("tokens", 1, 1),
+            *[("_gemv_kernel", 1, 4), ("_paged_attention", -2, 5), ("_merge", 0.5, 1)] * 4,
+            ("nvjet", 1, 20),
+            ("argmax", 1, 2),
+        ],
+    )
     # A layer: gemv ends 5 after the merge, attention 3 after the gemv, merge 1.5 after.
     assert "3 kernels a layer, 9.50 us a layer" in lines[0]
     assert "3.0 us before the first layer, 24.0 us after the last" in lines[0]
     assert [line.split(" us")[0].split()[-1] for line in lines[1:]] == [
         "5.00", "3.00", "1.50", "21.00", "3.00"
     ]  # fmt: skip
+
+
+def test_layer_table_ends_layers_at_the_mlp_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    """Where each layer ends in the one-row MLP kernel and only the first has a qkv GEMV
+    (EXTKV_PERSISTENT=2), layers run from the q/k norm to that kernel; the GEMV counts
+    before the first layer."""
+    lines = layer_table(
+        caplog,
+        [
+            ("embed", 0, 1),
+            ("_gemv_kernel", 1, 4),
+            *[
+                ("_qk_norm_rope_store", 1, 1),
+                ("_paged_attention", 1, 3),
+                ("_gated_mlp_kernel", 1, 10),
+            ]
+            * 4,
+            ("nvjet", 1, 20),
+        ],
+    )
+    assert "3 kernels a layer, 17.00 us a layer" in lines[0]
+    assert "6.0 us before the first layer, 21.0 us after the last" in lines[0]
+    assert [line.split(" us")[0].split()[-1] for line in lines[1:4]] == ["2.00", "4.00", "11.00"]

@@ -23,6 +23,7 @@ import torch
 
 from extkv.attention import Attention, AttentionMetadata, ForwardContext, set_forward_context
 from extkv.demo import QWEN3_0_6B_SHAPE, make_random_checkpoint
+from extkv.kernels import gated_mlp
 from extkv.kernels.activation import silu_and_mul
 from extkv.kernels.argmax import logits_and_argmax
 from extkv.kernels.norm import gated_rms_norm, rms_norm
@@ -30,7 +31,13 @@ from extkv.kernels.pending_tokens import pending_tokens
 from extkv.kernels.rotary import qk_norm_rope, qk_norm_rope_store
 from extkv.models import load_model, reference
 from extkv.models.layers import RotaryEmbedding
-from helpers import LAYOUTS, Cache, interpreter_rounds_bf16_to_nearest, run_interpreted
+from helpers import (
+    LAYOUTS,
+    Cache,
+    interpreter_rounds_bf16_to_nearest,
+    run_interpreted,
+    vary_norms,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -430,11 +437,20 @@ def test_decode_kernels_per_layer(
 def test_next_layers_qkv_in_the_mlp_kernel_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One sequence's decode step through 4 layers, each MLP kernel making the next layer's
-    qkv (EXTKV_PERSISTENT=2): within bf16 roundings of the layers each making their own
-    (1), and the same K/V written."""
+    """One sequence's decode step through 4 layers, each MLP kernel but the last making the
+    next layer's qkv (EXTKV_PERSISTENT=2): within bf16 roundings of the layers each making
+    their own (1), and the same K/V written."""
     model = qwen3_shaped(tmp_path, 4)
+    vary_norms(model)
     bind_cache(model, 16, 16)
+    handed = []
+    kernel = gated_mlp.gated_mlp_one_row
+
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        handed.append(args[-1] is not None)  # given the next layer's qkv
+        return kernel(*args)
+
+    monkeypatch.setattr(gated_mlp, "gated_mlp_one_row", spy)
     metadata = decode_metadata([100], 16, 16)
     ids, positions = torch.tensor([7], device="cuda"), torch.tensor([99], device="cuda")
     outputs, caches = [], []
@@ -445,6 +461,7 @@ def test_next_layers_qkv_in_the_mlp_kernel_gpu(
         caches.append(
             [a.k_cache[6, 3].clone() for a in model.modules() if isinstance(a, Attention)]
         )
+    assert handed == [False] * 4 + [True] * 3 + [False]
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0.05, atol=0.05)
     for one, two in zip(*caches, strict=True):
         torch.testing.assert_close(one.float(), two.float(), rtol=0.05, atol=0.05)

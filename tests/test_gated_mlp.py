@@ -35,7 +35,12 @@ from extkv.kernels.gemv import num_sms
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
 from extkv.models import load_model, ops
 from extkv.models.ops import NextQKV
-from helpers import extkv_logits, interpreter_rounds_bf16_to_nearest, run_interpreted
+from helpers import (
+    extkv_logits,
+    interpreter_rounds_bf16_to_nearest,
+    run_interpreted,
+    vary_norms,
+)
 
 # (attention width, hidden, intermediate, the next layer's qkv rows): Qwen3-0.6B's and
 # SmolLM2-135M's, and scaled down for the interpreter: rows and K in one piece or two
@@ -168,6 +173,8 @@ def test_register_plan() -> None:
     assert RegisterPlan.of(2048, 6144, 2048, 2, 132) is None  # Qwen3-1.7B: too large
     assert RegisterPlan.of(1024, 3000, 2048, 2, 132) is None  # 3000 is no two powers
     assert RegisterPlan.of(1024, 3072, 2048, 4, 132) is None  # fp32: twice the bytes
+    assert RegisterPlan.of(1024, 3072, 4096, 2, 132) is None  # o_proj's slice too large
+    assert RegisterPlan.of(1024, 3072, 0, 2, 132).attn_k == (0, 0)  # no o_proj: it fits
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -284,6 +291,7 @@ def check_handoff_through_the_model() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = make_random_checkpoint(folder, "qwen3", with_tokenizer=False, num_hidden_layers=3)
         model = load_model(path, torch.float32, torch.device("cpu"))[0]
+    vary_norms(model)
     token = [torch.tensor([5])]
     logits = {}
     try:
@@ -369,24 +377,39 @@ def test_gated_mlp_one_row_gpu(shape: tuple[int, int, int, int]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_ops_take_the_kernel_at_one_row_gpu(shape: tuple[int, int, int, int]) -> None:
-    """ops.gated_mlp runs the kernel for one row where it has a plan: its bits."""
+def test_ops_take_the_kernel_at_one_row_gpu(
+    shape: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ops.gated_mlp runs the kernel for one row where it has a plan (its bits): with the
+    next layer's qkv at EXTKV_PERSISTENT=2 (a ProjectedQKV), without it at 1, and the
+    GEMVs at 0 (a plain tensor, the projection's output)."""
     o = operands(*shape, torch.bfloat16, "cuda")
-    assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"]) is not None
+    assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"], o["next"]) is not None
     mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])
     residual = torch.randn_like(o["x"])
     args = (o["attn"], residual, o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
-    y, stream = ops.gated_mlp(o["attn"], residual, mlp, o["out_weight"])
-    assert all(map(torch.equal, (y, stream), gated_mlp_one_row(*args)))
+    results = {}
+    for level in ("0", "1", "2"):
+        monkeypatch.setenv("EXTKV_PERSISTENT", level)
+        results[level] = ops.gated_mlp(o["attn"], residual, mlp, o["out_weight"], o["next"])
+    assert all(map(torch.equal, results["1"], gated_mlp_one_row(*args)))
+    projected, stream = results["2"]
+    assert isinstance(projected, ops.ProjectedQKV)
+    expected = gated_mlp_one_row(*args, o["next"])
+    assert torch.equal(projected.qkv, expected[0]) and torch.equal(stream, expected[1])
+    assert isinstance(results["0"][0], torch.Tensor) and results["0"][0].shape == (1, shape[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_cuda_graph_replay_gpu(shape: tuple[int, int, int, int]) -> None:
-    """Captured once, replayed over new inputs: the eager kernel's bits every time."""
+@pytest.mark.parametrize("next_qkv", [False, True])
+def test_cuda_graph_replay_gpu(shape: tuple[int, int, int, int], next_qkv: bool) -> None:
+    """Captured once, replayed over new inputs: the eager kernel's bits every time, with
+    and without the next layer's qkv (another plan: another barrier counter)."""
     o = operands(*shape, torch.bfloat16, "cuda")
     static_attn, static_residual = o["attn"].clone(), torch.randn_like(o["x"])
     weights = (o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
+    weights += (o["next"] if next_qkv else None,)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture

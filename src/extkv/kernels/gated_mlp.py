@@ -20,8 +20,9 @@ of the prototype took 27.9 us against 29.5 (same section).
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
 run in another order than the GEMVs' tiles, so outputs may differ from theirs in the
-last bits; every step of a batch of one takes this kernel, so a sequence's outputs do
-not depend on which path ran before.
+last bits: a sequence decoded alone (one row) is no longer bit for bit the same
+sequence decoded beside others, as it is with the GEMVs alone (the price of the
+latency; `EXTKV_PERSISTENT=0` keeps the GEMVs' batch invariance up to 16 rows).
 """
 
 from __future__ import annotations
@@ -60,17 +61,12 @@ def two_powers(n: int) -> tuple[int, int] | None:
     return (a, b) if b & (b - 1) == 0 else None
 
 
-# The next layer's first op, for the MLP kernel to run too (`ops.NextQKV`): its RMSNorm's
-# weight and eps, and its qkv projection's weight (Q, H), no bias.
-NextQKV = tuple[torch.Tensor, float, torch.Tensor]
-
-
 @dataclass(frozen=True)
 class RegisterPlan:
     """How `gated_mlp_one_row` cuts an MLP over its programs: each takes `hidden_rows`
     rows of o_proj and down, `inner_rows` of gate and of up, and `next_rows` of the next
     layer's qkv projection ((0, 0) without one); every row count and K is two powers of
-    two (the second 0 where one does)."""
+    two (the second 0 where one does; `attn_k` is (0, 0) without an output projection)."""
 
     programs: int
     hidden_rows: tuple[int, int]
@@ -89,7 +85,11 @@ class RegisterPlan:
         whose slices fit in a program's registers; None if there is none. The next
         layer's qkv slice (`next_rows` of it in all) goes where gate/up's were, so it
         may be at most as large."""
-        ks = (two_powers(attn_width), two_powers(hidden), two_powers(inner))
+        ks = (
+            two_powers(attn_width) if attn_width else (0, 0),
+            two_powers(hidden),
+            two_powers(inner),
+        )
         if None in ks or next_rows > 2 * inner:
             return None
         for programs in range(min(sms, math.gcd(hidden, inner, next_rows)), 0, -1):
@@ -335,7 +335,10 @@ def _check_operands(
     return hidden, inner, attn_width
 
 
-def _check_next(next_qkv: NextQKV, x: torch.Tensor, hidden: int) -> None:
+def _check_next(
+    next_qkv: tuple[torch.Tensor, float, torch.Tensor], x: torch.Tensor, hidden: int
+) -> None:
+    """`ops.NextQKV`'s checks: the norm weight (H,), the qkv weight (Q, H) in x's dtype."""
     norm_weight, _, weight = next_qkv
     if norm_weight.shape != (hidden,) or not norm_weight.is_contiguous():
         raise ValueError(
@@ -353,12 +356,12 @@ def plan_for(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     out_weight: torch.Tensor | None,
-    next_qkv: NextQKV | None = None,
+    next_qkv: tuple[torch.Tensor, float, torch.Tensor] | None = None,
 ) -> RegisterPlan | None:
     """The register plan of this MLP (and the next qkv) on x's device (None: it takes
-    the GEMVs)."""
+    the GEMVs); attention width 0 where there is no output projection."""
     hidden, inner = down.shape
-    attn_width = hidden if out_weight is None else out_weight.shape[-1]
+    attn_width = 0 if out_weight is None else out_weight.shape[-1]
     next_rows = 0 if next_qkv is None else next_qkv[2].shape[0]
     sms = num_sms(x.device)
     return RegisterPlan.of(hidden, inner, attn_width, x.element_size(), sms, next_rows)
@@ -372,11 +375,12 @@ def gated_mlp_one_row(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     out_weight: torch.Tensor | None = None,
-    next_qkv: NextQKV | None = None,
+    next_qkv: tuple[torch.Tensor, float, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream) for one row x,
     x first projected by `out_weight` (H, attn_width) where given: `ops.gated_mlp`'s
-    math in one kernel. The stream is a new tensor (x's projection without a residual).
+    math in one kernel. The stream is a new tensor (x's projection without a residual;
+    x itself without either).
     With `next_qkv`, the next layer's first op runs too: it returns that layer's
     (qkv, residual stream), what its `rms_norm_linear` of (y, stream) would.
     Raises ValueError where `plan_for` has no plan."""
@@ -414,7 +418,7 @@ def gated_mlp_one_row(
             next_weight,
             next_stream,
             barrier,
-            plan.attn_k[0] + plan.attn_k[1],
+            sum(plan.attn_k),
             hidden,
             inner,
             eps,
@@ -428,7 +432,7 @@ def gated_mlp_one_row(
             RI2=plan.inner_rows[1],
             RN1=max(plan.next_rows[0], 1),  # an arange of 1 where there is no next qkv
             RN2=plan.next_rows[1],
-            KA1=plan.attn_k[0],
+            KA1=max(plan.attn_k[0], 1),  # an arange of 1 where there is no output projection
             KA2=plan.attn_k[1],
             KH1=plan.hidden_k[0],
             KH2=plan.hidden_k[1],

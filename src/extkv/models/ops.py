@@ -129,7 +129,10 @@ def persistent_decode() -> int:
     H100, Qwen3-0.6B's shape, a batch-1 step took 0.990 ms against 1.090 with the GEMVs
     (BENCHMARKS.md, 2026-12-05 session 6). 2: that kernel also runs the next layer's
     norm + qkv projection (opt-in until measured in the engine; a layer of its prototype
-    took 27.9 us against 29.5). 0: the three GEMVs. `gpu-check persistent` measures them."""
+    took 27.9 us against 29.5). 0: the three GEMVs, whose sums do not depend on the rows
+    beside (up to 16), so a sequence decoded alone is bit for bit the sequence decoded in
+    a batch; at 1 and 2 a batch of one adds up in another order and may differ in the
+    last bits. `gpu-check persistent` measures them."""
     wanted = os.environ.get("EXTKV_PERSISTENT", "1")
     if wanted not in ("0", "1", "2"):
         raise ValueError(
@@ -187,7 +190,10 @@ def gated_mlp(
     if level:
         from extkv.kernels.gated_mlp import gated_mlp_one_row, plan_for
 
-        contiguous = all(t.is_contiguous() for t in (x, mlp.norm, *weights))
+        operands = (
+            (x, mlp.norm, *weights) if residual is None else (x, residual, mlp.norm, *weights)
+        )
+        contiguous = all(t.is_contiguous() for t in operands)
         plan = plan_for(x, mlp.gate_up, mlp.down, out_weight)
         if contiguous and plan is not None:
             if level < 2 or not _fits_next(x, mlp, out_weight, next_qkv):
