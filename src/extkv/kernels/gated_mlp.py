@@ -152,6 +152,7 @@ def _load_vector(ptr, K1: tl.constexpr, K2: tl.constexpr):
 
 @triton.jit
 def _store_rows(ptr, row0, y1, y2, R1: tl.constexpr, R2: tl.constexpr):
+    """Rows row0 .. row0 + R1 + R2 of a vector, given as its two pieces, in ptr's dtype."""
     r2, r2_ok = _piece(row0 + R1, R2)
     tl.store(ptr + row0 + tl.arange(0, R1), y1.to(ptr.dtype.element_ty))
     tl.store(ptr + r2, y2.to(ptr.dtype.element_ty), mask=r2_ok)
