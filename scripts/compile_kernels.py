@@ -149,7 +149,6 @@ def attention_variants() -> list[tuple[str, dict[str, str], dict, dict]]:
             UNMASKED_FIRST=name == "prefill" and not window,
             KEY_BOUNDS=images,
             DOT_PRECISION="tf32",
-            NUM_STAGES=tiles.num_stages,
             USE_PDL=pdl,
         )
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)

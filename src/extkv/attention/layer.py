@@ -73,18 +73,3 @@ class Attention(nn.Module):
                 *prepare, q_weight, k_weight, eps, *cache, metadata, self.scale, self.sliding_window
             )
         return out.view(-1, self.num_heads * self.head_dim)
-
-    def normed_forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module,
-        qkv_proj: nn.Module,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        qk_norm: QKNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` of `qkv_proj.normed(hidden, residual, norm)` (RMSNorm(residual + hidden)
-        through the qkv projection): (out, the residual stream)."""
-        qkv, residual = qkv_proj.normed(hidden, residual, norm)
-        return self(qkv, positions, cos_sin_cache, qk_norm), residual

@@ -76,72 +76,15 @@ def _gemv_kernel(
     LINE_ELEMENTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (i, j): tile i, slice j of `gemv_tile`.
+    """Program (i, j): acc (BLOCK_N, BLOCK_M) = W_tile @ input^T in fp32 over the j-th of
+    SPLIT_K slices of K. With SPLIT_K > 1 each program leaves its partial sum in
+    `partial_ptr`, and the last of a tile's programs to arrive adds them up, always in
+    slice order (so the result does not depend on which one that is).
 
     With PREFETCH (PDL), the program's slice of W is requested into L2 before the wait
     for the previous kernel, which the weights never depend on."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PREFETCH:
-        prefetch_tile(
-            pid_n,
-            pid_k,
-            w_address,
-            w_ptr,
-            N,
-            K,
-            k_per_split,
-            stride_wn,
-            BLOCK_N,
-            BLOCK_K,
-            LINE_ELEMENTS,
-        )
-    wait_for_previous_grid(USE_PDL)
-    gemv_tile(
-        pid_n, pid_k, x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, residual_ptr,
-        norm_weight_ptr, residual_out_ptr, num_rows, N, K, k_per_split, stride_xm, stride_wn,
-        stride_ym, stride_rm, stride_rom, eps, INPUT, HAS_RESIDUAL, HAS_BIAS, BLOCK_N,
-        BLOCK_K, BLOCK_M, SPLIT_K, K_CHUNKS, DOT_PRECISION,
-    )  # fmt: skip
-
-
-@triton.jit
-def gemv_tile(
-    pid_n,
-    pid_k,
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    y_ptr,
-    partial_ptr,
-    arrivals_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    residual_out_ptr,
-    num_rows,
-    N,
-    K,
-    k_per_split,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    stride_rm,
-    stride_rom,
-    eps,
-    INPUT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Output tile `pid_n`, slice `pid_k` of K: acc (BLOCK_N, BLOCK_M) = W_tile @ input^T
-    in fp32. With SPLIT_K > 1 each slice leaves its partial sum in `partial_ptr`, and the
-    last of a tile's slices to arrive adds them up, always in slice order (so the result
-    does not depend on which one that is)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
@@ -149,6 +92,11 @@ def gemv_tile(
     m_ok = m < num_rows
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    if PREFETCH:
+        _prefetch_weight_slice(
+            w_address, w_ptr, n, n_ok, k_begin, k_end, stride_wn, BLOCK_K, LINE_ELEMENTS
+        )
+    wait_for_previous_grid(USE_PDL)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     x_col = x_ptr + m.to(tl.int64)[None, :] * stride_xm
     r_col = residual_ptr + m.to(tl.int64)[None, :] * stride_rm
@@ -187,25 +135,19 @@ def gemv_tile(
 
 
 @triton.jit
-def prefetch_tile(
-    pid_n,
-    pid_k,
+def _prefetch_weight_slice(
     w_address,
     w_ptr,
-    N,
-    K,
-    k_per_split,
+    n,
+    n_ok,
+    k_begin,
+    k_end,
     stride_wn,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
 ):
-    """Request `gemv_tile`'s slice of W (tile `pid_n`, slice `pid_k`) into L2, a 128-byte
-    line at a time (lines outside W ask for W's first line again)."""
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    """Request rows `n`, columns [k_begin, k_end) of W into L2, a 128-byte line at a time
+    (lines outside W ask for W's first line again)."""
     item = w_ptr.dtype.element_ty.primitive_bitwidth // 8
     lines = tl.arange(0, BLOCK_K // LINE_ELEMENTS) * LINE_ELEMENTS
     rows = w_address + n.to(tl.int64)[:, None] * stride_wn * item
@@ -323,53 +265,7 @@ def gemv_config(n: int, k: int, itemsize: int, num_sms: int) -> GemvConfig:
     return GemvConfig(_BLOCK_N, block_k, split_k, num_stages=_NUM_STAGES)
 
 
-@dataclass(frozen=True)
-class Tiling:
-    """A weight's `GemvConfig` and what follows from it: tiles, K per slice, scratch."""
-
-    config: GemvConfig
-    tiles: int  # output tiles of BLOCK_N features
-    k_per_split: int  # K of each slice, whole pipeline stages
-    k_chunks: int  # stages that span all of K (a fused norm's sum of squares)
-    line_elements: int  # elements of W per 128-byte line (the L2 prefetch's unit)
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, config: GemvConfig | None = None) -> Tiling:
-        n, k = weight.shape
-        config = config or gemv_config(n, k, weight.element_size(), num_sms(weight.device))
-        slice_k = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-        return cls(
-            config,
-            triton.cdiv(n, config.block_n),
-            slice_k,
-            triton.cdiv(k, config.block_k),
-            min(config.block_k, 128 // weight.element_size()),
-        )
-
-    @property
-    def items(self) -> int:
-        """(tile, slice) pairs: the programs of a one-wave launch."""
-        return self.tiles * self.config.split_k
-
-
-def split_scratch(like: torch.Tensor, *tilings: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums, arrival counters) enough for each of `tilings` that splits K, one
-    after the other; `like` stands in for both (never touched) where none does."""
-    split = [t for t in tilings if t.config.split_k > 1]
-    if not split:
-        return like, like
-    size = max(t.items * t.config.block_n for t in split) * MAX_ROWS
-    partials = torch.empty(size, dtype=torch.float32, device=like.device)
-    tiles = max(t.tiles for t in split)
-    return partials, arrival_counters("linear_small_batch", like.device, tiles)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: exact fp32 products for fp32 (the CPU reference's sums)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def check_operands(
+def _check_operands(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int
 ) -> None:
     """The checks every entry point shares: x (M, ...) of at most MAX_ROWS rows, W (N, k)."""
@@ -391,20 +287,6 @@ def check_operands(
         raise ValueError(f"bias must be a contiguous ({n},), got {tuple(bias.shape)}")
 
 
-def check_norm_operands(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
-) -> None:
-    """The checks of a norm fused into a GEMV's input: residual like x, a (K,) weight."""
-    k = x.shape[-1]
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(
-            f"residual must be x's shape {tuple(x.shape)} with contiguous rows, "
-            f"got {tuple(residual.shape)}"
-        )
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be a contiguous ({k},), got {tuple(norm_weight.shape)}")
-
-
 def linear_small_batch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -415,7 +297,7 @@ def linear_small_batch(
     in x's dtype: nn.Linear's forward for a decode step's few rows. Allocates only
     the output (and split-K's partial sums), so it can be captured in a CUDA graph.
     `config` overrides the tiling (benchmarks/bench_gemv.py sweeps it)."""
-    check_operands(x, weight, bias, x.shape[-1])
+    _check_operands(x, weight, bias, x.shape[-1])
     return _launch(x, weight, bias, config, PLAIN)
 
 
@@ -429,7 +311,7 @@ def silu_and_mul_linear_small_batch(
     same bits: gate_up (M, 2K), gate then up, weight (N, K)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be (M, 2K), got {tuple(gate_up.shape)}")
-    check_operands(gate_up, weight, bias, gate_up.shape[1] // 2)
+    _check_operands(gate_up, weight, bias, gate_up.shape[1] // 2)
     return _launch(gate_up, weight, bias, config, SILU_AND_MUL)
 
 
@@ -447,8 +329,15 @@ def rms_norm_linear_small_batch(
     tensor (x itself without a residual). The norm rounds as the norm kernel's does; its
     sum of squares adds in another order, so y may differ from the two kernels' in the
     last bit now and then."""
-    check_operands(x, weight, bias, x.shape[-1])
-    check_norm_operands(x, residual, norm_weight)
+    k = x.shape[-1]
+    _check_operands(x, weight, bias, k)
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(
+            f"residual must be x's shape {tuple(x.shape)} with contiguous rows, "
+            f"got {tuple(residual.shape)}"
+        )
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be a contiguous ({k},), got {tuple(norm_weight.shape)}")
     residual_out = x if residual is None else torch.empty_like(residual)
     norm = (residual, norm_weight, eps, residual_out)
     return _launch(x, weight, bias, config, RMS_NORM, norm), residual_out
@@ -469,15 +358,24 @@ def _launch(
     y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if not (num_rows and n):
         return y
-    tiling = Tiling.of(weight, config)
-    partials, arrivals = split_scratch(y, tiling)
+    sms = num_sms(x.device)
+    config = config or gemv_config(n, k, x.element_size(), sms)
+    tiles = triton.cdiv(n, config.block_n)
+    partials = arrivals = y  # never touched without a split
+    if config.split_k > 1:
+        partials = torch.empty(
+            tiles * config.split_k * config.block_n * MAX_ROWS,
+            dtype=torch.float32,
+            device=x.device,
+        )
+        arrivals = arrival_counters("linear_small_batch", x.device, tiles)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, x)
     launch = pdl_launch(x.device)
     # Prefetch only for grids of one wave: a later wave's programs start when an earlier
     # one's end, long after the wait, and would only ask for what they load next.
-    prefetch = launch["USE_PDL"] and tiling.items <= num_sms(x.device)
-    config = tiling.config
-    _gemv_kernel[(tiling.tiles, config.split_k)](
+    prefetch = launch["USE_PDL"] and tiles * config.split_k <= sms
+    _gemv_kernel[(tiles, config.split_k)](
         x,
         weight,
         weight if bias is None else bias,  # never read without HAS_BIAS
@@ -491,7 +389,7 @@ def _launch(
         num_rows,
         n,
         k,
-        tiling.k_per_split,
+        k_per_split,
         x.stride(0),
         weight.stride(0),
         y.stride(0),
@@ -505,10 +403,10 @@ def _launch(
         BLOCK_K=config.block_k,
         BLOCK_M=MAX_ROWS,
         SPLIT_K=config.split_k,
-        K_CHUNKS=tiling.k_chunks if input_kind == RMS_NORM else 1,
-        DOT_PRECISION=dot_precision(x.dtype),
+        K_CHUNKS=triton.cdiv(k, config.block_k) if input_kind == RMS_NORM else 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch,
-        LINE_ELEMENTS=tiling.line_elements,
+        LINE_ELEMENTS=min(config.block_k, 128 // x.element_size()),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,

@@ -28,7 +28,7 @@ import triton.language as tl
 from extkv.attention.metadata import AttentionMetadata
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
-LOG2E = math.log2(math.e)
+_LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -72,141 +72,85 @@ def _paged_attention_kernel(
     UNMASKED_FIRST: tl.constexpr,
     KEY_BOUNDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads) of `attention_tile`."""
-    wait_for_previous_grid(USE_PDL)
-    attention_tile(
-        tl.program_id(0) // NUM_SPLITS, tl.program_id(0) % NUM_SPLITS, tl.program_id(1),
-        tl.program_id(2), out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_ptr, v_ptr,
-        block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr, key_bounds_ptr, qk_scale, window,
-        num_q_heads, stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh,
-        stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od,
-        stride_bt, GROUP, GROUP_P2, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-        NUM_SPLITS, UNMASKED_FIRST, KEY_BOUNDS, DOT_PRECISION, NUM_STAGES,
-    )  # fmt: skip
-
-
-@triton.jit
-def attention_tile(
-    q_tile,
-    split,
-    seq,
-    kv_head,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    cu_seqlens_q_ptr,
-    key_bounds_ptr,
-    qk_scale,
-    window,
-    num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_bt,
-    GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    UNMASKED_FIRST: tl.constexpr,
-    KEY_BOUNDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    """Query tile `q_tile` of sequence `seq`, KV head `kv_head`, split `split` of its
-    keys; online softmax in fp32, the key loop NUM_STAGES deep.
+    """Grid (q_tiles * NUM_SPLITS, num_seqs, num_kv_heads); online softmax in fp32.
     UNMASKED_FIRST (a prefill without a window) runs the key tiles every query row
     sees without the mask: all but the diagonal ones. Decode keeps one masked loop,
     which measured faster there (two pipelined loops cost ~15% at batch 256).
     KEY_BOUNDS (a prefill with images whose tokens see each other): each query sees the
     keys up to its entry of `key_bounds` rather than its own position; the masked
     tiles then reach to the tile's furthest bound."""
+    wait_for_previous_grid(USE_PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P2
+    q_tile = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q < q_len:  # no early return: Triton forbids one in a looped-over call
-        context_len = tl.load(context_lens_ptr + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
 
-        rows = tl.arange(0, BLOCK_M)
-        token = q_tile * BLOCK_Q + rows // GROUP_P2  # index among the sequence's new tokens
-        head = kv_head * GROUP + rows % GROUP_P2
-        row_ok = (token < q_len) & (rows % GROUP_P2 < GROUP)
-        q_pos = context_len - q_len + token  # position in the context, for the causal mask
-        q_last = q_pos  # the last key position each row sees
-        if KEY_BOUNDS:
-            q_last = tl.load(key_bounds_ptr + q_start + token, mask=row_ok, other=0)
-        dim = tl.arange(0, HEAD_DIM_P2)
-        dim_ok = dim < HEAD_DIM
-        io_mask = row_ok[:, None] & dim_ok[None, :]
-        q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
-        q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // GROUP_P2  # index among the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (token < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = context_len - q_len + token  # position in the context, for the causal mask
+    q_last = q_pos  # the last key position each row sees
+    if KEY_BOUNDS:
+        q_last = tl.load(key_bounds_ptr + q_start + token, mask=row_ok, other=0)
+    dim = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dim < HEAD_DIM
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offs = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + dim[None, :] * stride_qd, mask=io_mask, other=0.0)
 
-        # This program's keys: its split's share of the context the tile's queries see (the
-        # causal end; the window's start, `window` being the context's bound without one).
-        kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
-        if KEY_BOUNDS:
-            kv_end = tl.minimum(context_len, tl.maximum(kv_end, tl.max(q_last, 0) + 1))
-        kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
-        per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = kv_begin + split * per_split
-        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+    # This program's keys: its split's share of the context the tile's queries see (the
+    # causal end; the window's start, `window` being the context's bound without one).
+    kv_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
+    if KEY_BOUNDS:
+        kv_end = tl.minimum(context_len, tl.maximum(kv_end, tl.max(q_last, 0) + 1))
+    kv_begin = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = kv_begin + split * per_split
+    kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
-        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        row_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
-        table_ptr = block_tables_ptr + seq * stride_bt
-        kv_masked_start = kv_lo
-        if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
-            first_q_pos = context_len - q_len + q_tile * BLOCK_Q
-            unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
-            kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
-        # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
-        for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
-            lo = kv_lo if phase == 0 else kv_masked_start
-            hi = kv_masked_start if phase == 0 else kv_hi
-            for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-                row_max, row_sum, acc = _attend_tile(
-                    q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
-                    k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
-                    stride_kb, stride_ks, stride_kh, stride_kd,
-                    stride_vb, stride_vs, stride_vh, stride_vd,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
-                )  # fmt: skip
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    kv_masked_start = kv_lo
+    if UNMASKED_FIRST:  # keys before the tile's first query: every row sees them
+        first_q_pos = context_len - q_len + q_tile * BLOCK_Q
+        unmasked = tl.maximum(tl.minimum(kv_hi, first_q_pos + 1) - kv_lo, 0)
+        kv_masked_start = kv_lo + unmasked // BLOCK_N * BLOCK_N
+    # Phase 0 (UNMASKED_FIRST only): the unmasked tiles; phase 1: the rest, masked.
+    for phase in tl.static_range(0 if UNMASKED_FIRST else 1, 2):
+        lo = kv_lo if phase == 0 else kv_masked_start
+        hi = kv_masked_start if phase == 0 else kv_hi
+        for start in range(lo, hi, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
+                k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, phase == 1,
+            )  # fmt: skip
 
-        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
-        o = acc / safe_sum[:, None]
-        if NUM_SPLITS == 1:
-            o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-            o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-        else:
-            part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
-            lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
-            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
-            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # 0 only where no key was visible
+    o = acc / safe_sum[:, None]
+    if NUM_SPLITS == 1:
+        o_offs = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        o_ptrs = out_ptr + o_offs + dim[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        part = ((q_start + token) * num_q_heads + head) * NUM_SPLITS + split
+        lse = tl.where(row_sum > 0, row_max + tl.log2(safe_sum), float("-inf"))
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -281,30 +225,10 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Grid (num_tokens, num_q_heads) of `merge_splits_tile`."""
+    """Grid (num_tokens, num_q_heads): weight each split's output by its softmax mass."""
     wait_for_previous_grid(USE_PDL)
-    merge_splits_tile(
-        tl.program_id(0), tl.program_id(1), out_ptr, part_out_ptr, part_lse_ptr, num_q_heads,
-        stride_ot, stride_oh, stride_od, HEAD_DIM, HEAD_DIM_P2, NUM_SPLITS,
-    )  # fmt: skip
-
-
-@triton.jit
-def merge_splits_tile(
-    token,
-    head,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    num_q_heads,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """Token `token`, head `head`: weight each split's output by its softmax mass."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
     part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
@@ -399,55 +323,6 @@ def decode_splits(
     return splits
 
 
-def decode_key_splits(
-    metadata: AttentionMetadata,
-    block_size: int,
-    num_kv_heads: int,
-    sliding_window: int | None,
-    device: torch.device,
-) -> int:
-    """`decode_splits` of a decode step: its sequences, and the keys a query sees at most
-    (the block table's width, or the window)."""
-    num_seqs, table_width = metadata.block_tables.shape
-    seen = min(table_width * block_size, sliding_window or NO_WINDOW)
-    return decode_splits(num_seqs, num_kv_heads, seen, device)
-
-
-@dataclass(frozen=True)
-class GroupTiling:
-    """How the attention kernel tiles a KV head's group of query heads: the group and its
-    power of two, the head dim's (tl.dot needs K >= 16), the rows of a program, and
-    `tiles` cut to fit the device's shared memory."""
-
-    group: int
-    group_p2: int
-    head_dim_p2: int
-    block_m: int
-    tiles: Tiles
-
-    @classmethod
-    def of(
-        cls, tiles: Tiles, num_q_heads: int, num_kv_heads: int, head_dim: int, query: torch.Tensor
-    ) -> GroupTiling:
-        """For `query`'s dtype and device."""
-        group = num_q_heads // num_kv_heads
-        group_p2 = triton.next_power_of_2(group)
-        block_m = max(tiles.block_m, group_p2)
-        head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
-        fitted = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
-        return cls(group, group_p2, head_dim_p2, block_m, fitted)
-
-
-def split_partials(out: torch.Tensor, num_q_heads: int, splits: int) -> tuple[torch.Tensor, ...]:
-    """(partial outputs, their log-sum-exps) in fp32 for `splits` key splits of `out`'s
-    (T, Hq, D) rows; `out` stands in for both (never touched) with a single split."""
-    if splits == 1:
-        return out, out
-    num_tokens, head_dim = out.shape[0], out.shape[-1]
-    part_out = out.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
-    return part_out, out.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -475,24 +350,27 @@ def paged_attention(
     if num_tokens == 0:
         return out
     key_bounds = metadata.key_bounds if metadata.is_prefill else None
-    num_seqs = metadata.block_tables.shape[0]
+    num_seqs, table_width = metadata.block_tables.shape
     assert metadata.block_tables.stride(1) == 1, "block table rows must be contiguous"
     if metadata.is_prefill:
         tiles, splits, max_q_len = tiles or PREFILL_TILES, 1, metadata.max_seqlen_q
     else:
         tiles, max_q_len = tiles or DECODE_TILES, 1
-        splits = num_splits or decode_key_splits(
-            metadata, block_size, num_kv_heads, sliding_window, query.device
-        )
+        seen = min(table_width * block_size, sliding_window or NO_WINDOW)  # keys per query
+        splits = num_splits or decode_splits(num_seqs, num_kv_heads, seen, query.device)
         assert splits & (splits - 1) == 0, "num_splits must be a power of two"
-    shape = GroupTiling.of(tiles, num_q_heads, num_kv_heads, head_dim, query)
-    tiles = shape.tiles
-    part_out, part_lse = split_partials(out, num_q_heads, splits)
-    grid = (
-        triton.cdiv(max_q_len, shape.block_m // shape.group_p2) * splits,
-        num_seqs,
-        num_kv_heads,
-    )
+    group = num_q_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    block_m = max(tiles.block_m, group_p2)
+    head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)  # tl.dot needs K >= 16
+
+    tiles = fit_tiles(tiles, block_m, head_dim_p2, query.element_size(), query.device)
+
+    part_out = part_lse = out  # placeholders, unused when there is a single split
+    if splits > 1:
+        part_out = query.new_empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32)
+        part_lse = query.new_empty((num_tokens, num_q_heads, splits), dtype=torch.float32)
+    grid = (triton.cdiv(max_q_len, block_m // group_p2) * splits, num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         part_out,
@@ -504,7 +382,7 @@ def paged_attention(
         metadata.context_lens,
         metadata.cu_seqlens_q,
         metadata.context_lens if key_bounds is None else key_bounds,  # unread without
-        scale * LOG2E,
+        scale * _LOG2E,
         sliding_window or NO_WINDOW,
         num_q_heads,
         *query.stride(),
@@ -512,18 +390,17 @@ def paged_attention(
         *v_cache.stride(),
         *out.stride(),
         metadata.block_tables.stride(0),
-        GROUP=shape.group,
-        GROUP_P2=shape.group_p2,
+        GROUP=group,
+        GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
-        HEAD_DIM_P2=shape.head_dim_p2,
+        HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=block_size,
-        BLOCK_M=shape.block_m,
+        BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         NUM_SPLITS=splits,
         UNMASKED_FIRST=metadata.is_prefill and sliding_window is None,
         KEY_BOUNDS=key_bounds is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **pdl_launch(query.device),
@@ -536,7 +413,7 @@ def paged_attention(
             num_q_heads,
             *out.stride(),
             HEAD_DIM=head_dim,
-            HEAD_DIM_P2=shape.head_dim_p2,
+            HEAD_DIM_P2=head_dim_p2,
             NUM_SPLITS=splits,
             **pdl_launch(query.device),
         )

@@ -29,7 +29,7 @@ from extkv.kernels.paged_attention import NO_WINDOW, Tiles, _shared_memory
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 from extkv.kernels.rotary import qk_norm_rope_store
 
-LOG2E = math.log2(math.e)
+_LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256  # wider rows (MLA's latent) stay on the paged kernel
 
 
@@ -336,7 +336,7 @@ def prefill_attention(
         out,
         *sources,
         cu_seqlens,
-        scale * LOG2E,
+        scale * _LOG2E,
         sliding_window or NO_WINDOW,
         num_q_tiles,
         *query.stride()[:2],

@@ -105,61 +105,11 @@ def _qk_norm_rope_store_kernel(
     K_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per (token, tile of HEADS heads) of `qk_norm_rope_store_tile`."""
-    wait_for_previous_grid(USE_PDL)
-    qk_norm_rope_store_tile(
-        tl.program_id(0), tl.program_id(1), qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr,
-        k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_qkv,
-        stride_cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_kcb, stride_kcs,
-        stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd, eps,
-        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DIM_P2, ROTARY_DIM, HEADS, Q_TILES, BLOCK_SIZE,
-        HAS_NORM, K_OUT,
-    )  # fmt: skip
-
-
-@triton.jit
-def qk_norm_rope_store_tile(
-    token,
-    tile,
-    qkv_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_qkv,
-    stride_cos_sin,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    eps,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DIM_P2: tl.constexpr,
-    ROTARY_DIM: tl.constexpr,
-    HEADS: tl.constexpr,
-    Q_TILES: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    K_OUT: tl.constexpr,
-):
-    """Token `token`, tile `tile` of HEADS heads: q tiles first, then k/v tiles.
+    """One program per (token, tile of HEADS heads): q tiles first, then k/v tiles.
     K_OUT: k also goes to `k_out_ptr` (T, Hkv, D), padding tokens (slot -1) included."""
-    token = token.to(tl.int64)
+    wait_for_previous_grid(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
     rows = tl.arange(0, HEADS)[:, None]
     dim = tl.arange(0, DIM_P2)[None, :]
     row_ptr = qkv_ptr + token * stride_qkv
@@ -198,31 +148,17 @@ def qk_norm_rope_store_tile(
 def _check_shapes(
     qkv: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
-    """qkv (T, num_heads * head_dim) with contiguous columns; see `check_rotary_table`."""
     if qkv.dim() != 2 or qkv.shape[1] != num_heads * head_dim or qkv.stride(1) != 1:
         raise ValueError(
             f"qkv must be (T, {num_heads} heads * head_dim {head_dim}) with contiguous "
             f"columns, got shape {tuple(qkv.shape)}, strides {qkv.stride()}"
         )
-    check_rotary_table(cos_sin_cache, head_dim)
-
-
-def check_rotary_table(cos_sin_cache: torch.Tensor, head_dim: int) -> None:
-    """cos_sin_cache (positions, rotary_dim), an even rotary_dim <= head_dim, contiguous rows."""
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim % 2 or rotary_dim > head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(
             f"cos_sin_cache must be (positions, rotary_dim) with an even rotary_dim <= "
             f"head_dim {head_dim}, contiguous; got shape {tuple(cos_sin_cache.shape)}"
         )
-
-
-def tile_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(head_dim's power of two, heads per program) of `qk_norm_rope_store_tile`: about
-    _TILE_ELEMENTS elements a program."""
-    dim_p2 = triton.next_power_of_2(head_dim)
-    most = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
-    return dim_p2, min(most, max(1, _TILE_ELEMENTS // dim_p2))
 
 
 def qk_norm_rope_store(
@@ -258,7 +194,10 @@ def qk_norm_rope_store(
     q = qkv.new_empty(num_tokens, num_q_heads, head_dim)
     if num_tokens == 0:
         return q
-    dim_p2, heads = tile_heads(num_q_heads, num_kv_heads, head_dim)
+    dim_p2 = triton.next_power_of_2(head_dim)
+    heads = min(
+        triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, _TILE_ELEMENTS // dim_p2)
+    )
     q_tiles = triton.cdiv(num_q_heads, heads)
     has_norm = q_norm_weight is not None
     _qk_norm_rope_store_kernel[(num_tokens, q_tiles + triton.cdiv(num_kv_heads, heads))](

@@ -105,9 +105,10 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if isinstance(hidden, ops.ProjectedQKV):
-            return self.attn(hidden.qkv, positions, cos_sin_cache, qk_norm), residual
-        args = (hidden, residual, norm, self.qkv_proj, positions, cos_sin_cache, qk_norm)
-        return self.attn.normed_forward(*args)
+            qkv = hidden.qkv
+        else:
+            qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
+        return self.attn(qkv, positions, cos_sin_cache, qk_norm), residual
 
 
 class DecoderLayer(nn.Module):
