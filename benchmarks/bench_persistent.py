@@ -10,6 +10,14 @@ on Qwen3-0.6B's layer shape, and what one grid barrier costs.
   store, split attention and its merge over `--context` tokens) then the MLP either way.
 - `layer next qkv`: the MLP kernel also makes the next layer's qkv (EXTKV_PERSISTENT=2),
   whose attention then starts at the q/k norm: 4 kernels against the 7.
+- `attention`: the norm + qkv GEMV and the decode attention kernel (q/k norm, rotary, KV
+  store, attention and merge in one) against the GEMV and the three kernels it replaces.
+- `layer one attn`: the decode attention kernel, then the MLP kernel (3 kernels a layer).
+- `layer 2 kernels`: the decode attention kernel and the MLP kernel making the next
+  layer's qkv (EXTKV_PERSISTENT=2).
+- `layer one attn qkv split N`: `layer one attn` with the qkv GEMV's K split N ways.
+- `lm head N gemv/cublas`: Qwen3's LM head (151936 x 1024) at N rows, the GEMV against
+  cuBLAS.
 
 Each runs as a CUDA graph over 28 layers' own weights and caches (none served from L2
 by the layer before), as in the decode step; `us` is per layer. Run it with EXTKV_PDL=0
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,8 +38,10 @@ import triton.language as tl
 from _common import write_json
 from bench_gemv import graph_time_us
 from extkv.attention import AttentionMetadata
+from extkv.kernels.decode_attention import rope_store_decode_attention
 from extkv.kernels.gated_mlp import gated_mlp_one_row
 from extkv.kernels.gemv import (
+    GemvConfig,
     linear_small_batch,
     num_sms,
     rms_norm_linear_small_batch,
@@ -45,6 +56,7 @@ logger = logging.getLogger("bench_persistent")
 LAYERS = 28
 HIDDEN, INNER, Q_HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 BLOCK_SIZE = 16
+VOCAB = 151_936
 BARRIERS = 256
 
 
@@ -111,16 +123,36 @@ class Layers:
             self.x, self.residual, self.norm, 1e-6, self.weights[0]["qkv"]
         )
 
-    def attention_apart(self, i: int, qkv: torch.Tensor | None = None) -> torch.Tensor:
+    def attention(
+        self,
+        i: int,
+        qkv: torch.Tensor | None = None,
+        fused: bool = True,
+        splits: int | None = None,
+        qkv_tiling: GemvConfig | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention sublayer from its qkv (made here, by the norm + qkv GEMV
+        tiled by `qkv_tiling` or its default, unless given): `fused`, the decode attention
+        kernel (`splits` as given, else its own choice); else q/k norm + rotary + KV store,
+        the split attention, its merge."""
         w = self.weights[i]
         if qkv is None:
-            qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
-        q = qk_norm_rope_store(
-            qkv, self.positions, self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm,
-            1e-6, w["cache"][:, 0], w["cache"][:, 1], self.slots,
-        )  # fmt: skip
-        out = paged_attention(q, w["cache"][:, 0], w["cache"][:, 1], self.metadata, HEAD_DIM**-0.5)
+            qkv, _ = rms_norm_linear_small_batch(
+                self.x, self.residual, self.norm, 1e-6, w["qkv"], config=qkv_tiling
+            )
+        prepare = (qkv, self.positions, self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm)
+        k_cache, v_cache = w["cache"][:, 0], w["cache"][:, 1]
+        if fused:
+            out = rope_store_decode_attention(
+                *prepare, 1e-6, k_cache, v_cache, self.metadata, HEAD_DIM**-0.5, num_splits=splits
+            )
+        else:
+            q = qk_norm_rope_store(*prepare, 1e-6, k_cache, v_cache, self.slots)
+            out = paged_attention(q, k_cache, v_cache, self.metadata, HEAD_DIM**-0.5)
         return out.view(out.shape[0], -1)
+
+    def attention_apart(self, i: int) -> torch.Tensor:
+        return self.attention(i, fused=False)
 
     def mlp(self, i: int, attn: torch.Tensor) -> None:
         w = self.weights[i]
@@ -132,15 +164,19 @@ class Layers:
         hidden, _ = rms_norm_linear_small_batch(x, self.residual, self.norm, 1e-6, w["gate_up"])
         silu_and_mul_linear_small_batch(hidden, w["down"])
 
-    def layer(self, i: int) -> None:
-        self.mlp(i, self.attention_apart(i))
+    def layer(
+        self, i: int, fused_attention: bool = False, qkv_tiling: GemvConfig | None = None
+    ) -> None:
+        self.mlp(i, self.attention(i, fused=fused_attention, qkv_tiling=qkv_tiling))
 
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
 
-    def layer_handing_qkv(self, i: int) -> None:
+    def layer_handing_qkv(
+        self, i: int, fused_attention: bool = False, splits: int | None = None
+    ) -> None:
         w, following = self.weights[i], self.weights[(i + 1) % LAYERS]
-        attn = self.attention_apart(i, self.handed)
+        attn = self.attention(i, self.handed, fused_attention, splits)
         self.handed, _ = gated_mlp_one_row(
             attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"],
             (self.norm, 1e-6, following["qkv"]),
@@ -151,10 +187,27 @@ def measure(context: int) -> dict[str, dict[str, float]]:
     """Per layer at batch 1, the MLP and the whole layer: {"fused": us, "apart": us}."""
     layers = Layers(context)
     cases = {
+        "attention": (layers.attention, layers.attention_apart),
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
         "layer": (layers.layer, layers.layer_apart),
         "layer next qkv": (layers.layer_handing_qkv, layers.layer_apart),
+        "layer one attn": (partial(layers.layer, fused_attention=True), layers.layer_apart),
+        "layer 2 kernels": (
+            partial(layers.layer_handing_qkv, fused_attention=True),
+            layers.layer_apart,
+        ),
     }
+    for split_k in (2, 4):
+        tiling = GemvConfig(64, 128, split_k)
+        fused = partial(layers.layer, fused_attention=True, qkv_tiling=tiling)
+        cases[f"layer one attn qkv split {split_k}"] = (fused, layers.layer_apart)
+    head = randn(VOCAB, HIDDEN, scale=HIDDEN**-0.5)
+    for rows in (1, 16):
+        hidden = randn(rows, HIDDEN)
+        cases[f"lm head {rows} gemv/cublas"] = (
+            partial(lambda x, _: linear_small_batch(x, head), hidden),
+            partial(lambda x, _: torch.nn.functional.linear(x, head), hidden),
+        )
     return {
         name: {"fused": graph_time_us(fused, LAYERS), "apart": graph_time_us(apart, LAYERS)}
         for name, (fused, apart) in cases.items()

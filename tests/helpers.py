@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers.models.mamba2 import modeling_mamba2
 
 from extkv import LLM
-from extkv.attention import ForwardContext, set_forward_context
+from extkv.attention import AttentionMetadata, ForwardContext, set_forward_context
 from extkv.demo import make_random_checkpoint
 from extkv.engine.sampling_params import SamplingParams
 from extkv.engine.sequence import Sequence
@@ -217,6 +217,52 @@ class Cache:
         """The same views over `buf`, a buffer shaped and strided like this one."""
         k, v = (buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (self.k, self.v))
         return Cache(buf, k, v)
+
+
+@dataclass
+class Batch:
+    """A step's metadata and its new tokens' Q/K/V, strided views of one fused QKV tensor."""
+
+    metadata: AttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def make_batch(
+    context_lens: list[int],
+    q_lens: list[int],
+    num_blocks: int,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    table_width: int | None = None,
+) -> Batch:
+    """Sequences on randomly scattered pages; the new tokens are each one's context tail."""
+    pages = [-(-n // block_size) for n in context_lens]
+    width = table_width or max(pages) + 1  # at least one -1 column, as the engine pads
+    owned = torch.randperm(num_blocks)[: sum(pages)].to(torch.int32).split(pages)
+    block_tables = torch.full((len(pages), width), -1, dtype=torch.int32)
+    slots = []
+    for s, (blocks, context_len, q_len) in enumerate(zip(owned, context_lens, q_lens, strict=True)):
+        block_tables[s, : len(blocks)] = blocks
+        pos = torch.arange(context_len - q_len, context_len)
+        slots.append(blocks[pos // block_size].long() * block_size + pos % block_size)
+    qkv = torch.randn(sum(q_lens), num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    query, key, value = qkv.to(device).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    metadata = AttentionMetadata(
+        is_prefill=max(q_lens) > 1,
+        slot_mapping=torch.cat(slots).to(device),
+        cu_seqlens_q=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_seqlen_q=max(q_lens),
+        max_context_len=max(context_lens),
+    )
+    return Batch(metadata, query, key, value)
 
 
 def make_sequence(

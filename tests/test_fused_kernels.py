@@ -414,18 +414,34 @@ def test_pending_tokens_gpu(rows: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("persistent", "num_seqs", "most"), [("0", 1, 7), ("1", 4, 7), ("1", 1, 5), ("2", 1, 4)]
+    ("persistent", "attention", "num_seqs", "most"),
+    [
+        ("0", "0", 1, 7),
+        ("0", "1", 4, 5),
+        ("1", "0", 4, 7),
+        ("1", "0", 1, 5),
+        ("1", "1", 1, 3),
+        ("2", "1", 1, 2),
+    ],
 )
 def test_decode_kernels_per_layer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, num_seqs: int, most: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    persistent: str,
+    attention: str,
+    num_seqs: int,
+    most: int,
 ) -> None:
-    """Kernels per decoder layer. With the GEMVs, at most 7: qkv (norm + residual add
-    fused in), q/k norm + rotary + KV store, attention (2: split-K and merge), o_proj,
-    gate_up (norm + add fused in), down (SiLU*mul fused in). One sequence with
-    EXTKV_PERSISTENT=1 (the default), 5: the last three are the one-row MLP kernel; with
-    2, 4: that kernel runs the next layer's qkv GEMV too. Counted as the difference
-    between a 4- and a 2-layer model, so the embedding and final norm are left out."""
+    """Kernels per decoder layer. With the GEMVs and EXTKV_DECODE_ATTENTION=0, at most 7:
+    qkv (norm + residual add fused in), q/k norm + rotary + KV store, attention (2:
+    split-K and merge), o_proj, gate_up (norm + add fused in), down (SiLU*mul fused in).
+    The decode attention kernel (EXTKV_DECODE_ATTENTION=1, the default) makes the second
+    to fourth one. One sequence with EXTKV_PERSISTENT=1 (the default): the last three are
+    the one-row MLP kernel; with 2 that kernel runs the next layer's qkv GEMV too, so a
+    layer is 2 kernels. Counted as the difference between a 4- and a 2-layer model, so
+    the embedding and final norm are left out."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
+    monkeypatch.setenv("EXTKV_DECODE_ATTENTION", attention)
     four = decode_step_kernels(tmp_path / "4", 4, num_seqs)
     two = decode_step_kernels(tmp_path / "2", 2, num_seqs)
     per_layer = (four.total() - two.total()) / 2

@@ -94,14 +94,18 @@ def test_greedy_follows_transformers_in_bf16(small_qwen3: Path) -> None:
     assert_follows_transformers_in_bf16(small_qwen3, prompts, ours, tolerance=0.02)
 
 
-@pytest.mark.parametrize("persistent", ["0", "1", "2"])
+@pytest.mark.parametrize(
+    ("persistent", "attention"), [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1"), ("2", "1")]
+)
 def test_one_sequence_at_a_time_follows_transformers_in_bf16(
-    small_qwen3: Path, monkeypatch: pytest.MonkeyPatch, persistent: str
+    small_qwen3: Path, monkeypatch: pytest.MonkeyPatch, persistent: str, attention: str
 ) -> None:
-    """Batch-1 decode steps (the one-row MLP kernel's, captured in graphs) follow
-    transformers as the batched ones do: with the GEMVs (EXTKV_PERSISTENT=0), the MLP
-    kernel (1) and the MLP kernel making the next layer's qkv (2)."""
+    """Batch-1 decode steps (captured in graphs) follow transformers as the batched ones
+    do: the MLP by the GEMVs (EXTKV_PERSISTENT=0), by the one-row MLP kernel (1), and by
+    it making the next layer's qkv (2); the attention by three kernels
+    (EXTKV_DECODE_ATTENTION=0) and by one (1)."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
+    monkeypatch.setenv("EXTKV_DECODE_ATTENTION", attention)
     prompts = random_prompts(3, 4096, seed=2)
     llm = LLM(small_qwen3, max_model_len=512, max_num_seqs=1)
     assert llm.engine.runner.graphs is not None

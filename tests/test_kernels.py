@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import pytest
 import torch
 
-from extkv.attention.metadata import AttentionMetadata
 from extkv.attention.reference import (
     paged_attention_reference,
     store_kv_reference,
@@ -28,53 +26,14 @@ from extkv.kernels.paged_attention import (
     varlen_attention,
 )
 from extkv.kernels.store_kv import store_kv
-from helpers import LAYOUTS, Cache, backport_interpreter_index_fix, run_interpreted
-
-
-@dataclass
-class Batch:
-    """A step's metadata and its new tokens' Q/K/V, strided views of one fused QKV tensor."""
-
-    metadata: AttentionMetadata
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-
-
-def make_batch(
-    context_lens: list[int],
-    q_lens: list[int],
-    num_blocks: int,
-    block_size: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str,
-    table_width: int | None = None,
-) -> Batch:
-    """Sequences on randomly scattered pages; the new tokens are each one's context tail."""
-    pages = [-(-n // block_size) for n in context_lens]
-    width = table_width or max(pages) + 1  # at least one -1 column, as the engine pads
-    owned = torch.randperm(num_blocks)[: sum(pages)].to(torch.int32).split(pages)
-    block_tables = torch.full((len(pages), width), -1, dtype=torch.int32)
-    slots = []
-    for s, (blocks, context_len, q_len) in enumerate(zip(owned, context_lens, q_lens, strict=True)):
-        block_tables[s, : len(blocks)] = blocks
-        pos = torch.arange(context_len - q_len, context_len)
-        slots.append(blocks[pos // block_size].long() * block_size + pos % block_size)
-    qkv = torch.randn(sum(q_lens), num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
-    query, key, value = qkv.to(device).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
-    metadata = AttentionMetadata(
-        is_prefill=max(q_lens) > 1,
-        slot_mapping=torch.cat(slots).to(device),
-        cu_seqlens_q=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_seqlen_q=max(q_lens),
-        max_context_len=max(context_lens),
-    )
-    return Batch(metadata, query, key, value)
+from helpers import (
+    LAYOUTS,
+    Batch,
+    Cache,
+    backport_interpreter_index_fix,
+    make_batch,
+    run_interpreted,
+)
 
 
 def image_key_bounds(

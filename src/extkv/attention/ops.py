@@ -57,7 +57,8 @@ def rope_store_attention(
 ) -> torch.Tensor:
     """`qk_norm_rope`, k and v written to the paged cache at the step's slots (-1 skips),
     then `paged_attention` of q over that cache: on CUDA one kernel prepares and stores
-    (and a prefill with nothing cached attends over its own K/V: `attends_own_kv`).
+    (and a prefill with nothing cached attends over its own K/V: `attends_own_kv`; a decode
+    step of a few sequences does all of it in one kernel: `takes_decode_attention`).
     On the CPU the new K/V rows also go to the attention as computed, so a prefill reads
     back from the cache only the prefixes it continues (a whole prompt: nothing)."""
     prepare = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads)
@@ -67,6 +68,12 @@ def rope_store_attention(
             from extkv.kernels.prefill_attention import rope_store_prefill_attention
 
             return rope_store_prefill_attention(
+                *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
+            )
+        if takes_decode_attention(metadata):
+            from extkv.kernels.decode_attention import rope_store_decode_attention
+
+            return rope_store_decode_attention(
                 *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
             )
         from extkv.kernels.rotary import qk_norm_rope_store
@@ -93,6 +100,34 @@ def prefill_attention_enabled() -> bool:
         raise ValueError(
             "EXTKV_PREFILL_ATTENTION must be 0 (the paged kernel) or 1 (the step's own K/V "
             f"where nothing is cached), got {wanted!r}"
+        )
+    return wanted == "1"
+
+
+# Batches up to this many sequences take the one-kernel decode attention. On an H100,
+# Qwen3-0.6B's shape (BENCHMARKS.md, 2026-12-05 session 7), it cut a layer from 30.7 to
+# 26.7 us at batch 1 and from 59.1 to 58.3 at 16, but slowed batch 256 from 6.95 to 7.57 ms
+# a step: with enough sequences to fill the GPU there is no split to merge and no wait to
+# hide, and its longer programs pipeline the keys less well than the paged kernel's.
+DECODE_ATTENTION_MAX_SEQS = 16
+
+
+def takes_decode_attention(metadata: AttentionMetadata) -> bool:
+    """Whether a CUDA step's attention runs as one kernel (extkv.kernels.decode_attention):
+    a decode step of at most DECODE_ATTENTION_MAX_SEQS sequences (graph padding included,
+    so the choice is the shape's), unless EXTKV_DECODE_ATTENTION=0."""
+    small = metadata.num_seqs <= DECODE_ATTENTION_MAX_SEQS
+    return not metadata.is_prefill and small and decode_attention_enabled()
+
+
+def decode_attention_enabled() -> bool:
+    """EXTKV_DECODE_ATTENTION: whether a CUDA decode step of a few sequences runs each
+    attention layer as one kernel (1, the default: `takes_decode_attention`) or as three
+    (0: q/k norm + rotary + KV store, the paged kernel, the merge of its splits)."""
+    wanted = os.environ.get("EXTKV_DECODE_ATTENTION", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(
+            f"EXTKV_DECODE_ATTENTION must be 0 (three kernels) or 1 (one kernel), got {wanted!r}"
         )
     return wanted == "1"
 

@@ -419,7 +419,7 @@ class ModelRunner:
         greedy tokens into persistent outputs."""
         views = self.buffers.views(self._decode_shape(bs), 0)
         context = views.context(False, 1, self.config.max_model_len)
-        logits = self.model.compute_logits(self._hidden(context, views))
+        logits = self.model.compute_logits(self._hidden(context, views), fp32=False)
         ops.store_logits_and_argmax(logits, self.logits[:bs], self.greedy_tokens[:bs])
 
     def _uses_graph(self, inputs: StepInputs) -> bool:

@@ -199,16 +199,24 @@ def _attend_tile(
         visible = (kv_pos[None, :] <= q_last[:, None]) & kv_ok[None, :]
         visible &= kv_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(s, 1))
-    # Masked rows that see no key yet keep a max of -inf: exponentiate against 0.
-    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max) if MASKED else new_max
-    p = tl.exp2(s - max_ref[:, None])
-    alpha = tl.exp2(row_max - max_ref)
-    row_sum = row_sum * alpha + tl.sum(p, 1)
+    p, alpha, new_max, row_sum = softmax_step(s, row_max, row_sum, MASKED)
     v_offs = page[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
     v = tl.load(v_ptr + v_offs + dim[None, :] * stride_vd, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, row_sum, acc
+
+
+@triton.jit
+def softmax_step(s, row_max, row_sum, MASKED: tl.constexpr):
+    """The online softmax over one more tile of log2-scaled scores `s` (BLOCK_M, BLOCK_N):
+    the tile's weights p, the factor the rows' earlier sums and outputs scale by, and the
+    new row maxima and sums. MASKED: rows may have seen no key yet (a max of -inf), which
+    exponentiate against 0."""
+    new_max = tl.maximum(row_max, tl.max(s, 1))
+    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max) if MASKED else new_max
+    p = tl.exp2(s - max_ref[:, None])
+    alpha = tl.exp2(row_max - max_ref)
+    return p, alpha, new_max, row_sum * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -232,15 +240,24 @@ def _merge_splits_kernel(
     part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
-
-    lse = tl.load(part_lse_ptr + part)
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=dim_ok[None, :])
-    total = tl.sum(weight, 0)
-    o = tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    o = merged_splits(part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM, "")
     o_ptrs = out_ptr + token * stride_ot + head * stride_oh + dim * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def merged_splits(
+    part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr
+):
+    """One head's output from its splits' partial outputs and log2-sum-exps at rows
+    `part`, each weighted by its softmax mass; CACHE: the loads' cache modifier."""
+    lse = tl.load(part_lse_ptr + part, cache_modifier=CACHE)
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :]
+    o = tl.load(o_ptrs, mask=dim_ok[None, :], cache_modifier=CACHE)
+    total = tl.sum(weight, 0)
+    return tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
 
 
 @dataclass(frozen=True)

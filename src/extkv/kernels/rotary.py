@@ -29,7 +29,7 @@ def _rounded(x, like_ptr):
 
 
 @triton.jit
-def _norm_rope(
+def norm_rope(
     row_ptr,
     cos_sin_ptr,
     weight_ptr,
@@ -118,7 +118,7 @@ def _qk_norm_rope_store_kernel(
     if tile < Q_TILES:
         head = tile * HEADS + rows
         live = (head < NUM_Q_HEADS) & (dim < HEAD_DIM)
-        q = _norm_rope(
+        q = norm_rope(
             row_ptr, cos_sin_row, q_weight_ptr, head, dim, live, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
         )
         q_dst = q_out_ptr + token * stride_qt + head * stride_qh + dim
@@ -127,7 +127,7 @@ def _qk_norm_rope_store_kernel(
         head = (tile - Q_TILES) * HEADS + rows
         live = (head < NUM_KV_HEADS) & (dim < HEAD_DIM)
         k_row = row_ptr + NUM_Q_HEADS * HEAD_DIM
-        k = _norm_rope(
+        k = norm_rope(
             k_row, cos_sin_row, k_weight_ptr, head, dim, live, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
         )
         if K_OUT:

@@ -115,8 +115,9 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, Gemma3Model(config))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits, tanh-capped at +-final_logit_softcapping."""
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits, tanh-capped at +-final_logit_softcapping (in
+        fp32 whatever `fp32` says, where there is a cap)."""
         cap = self.final_logit_softcapping
+        logits = super().compute_logits(hidden, fp32 or cap is not None)
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -245,9 +245,12 @@ class CausalLM(nn.Module):
         """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype as HF."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype as
+        HF. `fp32=False` may leave them in that dtype, where fp32 holds the same numbers
+        (the decode graph's argmax kernel casts them as it stores them: a kernel fewer)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
 
 class LlamaForCausalLM(CausalLM):

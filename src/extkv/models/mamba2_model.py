@@ -88,6 +88,8 @@ class Mamba2ForCausalLM(nn.Module):
         model needs no positions, its states carry the order."""
         return self.backbone(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size), the matmul in the model dtype
+        (`fp32=False`: left in it, as `CausalLM.compute_logits`)."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        return logits.float() if fp32 else logits

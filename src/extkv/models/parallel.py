@@ -204,6 +204,7 @@ class ParallelLMHead(nn.Linear):
         sharded(self.weight, shard)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, in_features) -> (n, vocab_size) in the weight's dtype. F.linear even for a
-        decode step: cuBLAS already streams this wide weight near the memory bandwidth."""
-        return self.tp.all_gather(F.linear(hidden, self.weight))[:, : self.vocab_size]
+        """(n, in_features) -> (n, vocab_size) in the weight's dtype; a decode step's few
+        rows by the GEMV (`ops.linear`), which streamed Qwen3's 311 MB head in 100 us at
+        one row on an H100 where cuBLAS took 105 (BENCHMARKS.md, 2026-12-05 session 7)."""
+        return self.tp.all_gather(ops.linear(hidden, self.weight))[:, : self.vocab_size]

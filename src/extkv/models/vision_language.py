@@ -90,9 +90,9 @@ class VisionLanguageModel(nn.Module):
         place of the ids' embeddings where the step has images."""
         return self.language_model.model(input_ids, positions, inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits (n, vocab_size)."""
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(n, hidden_size) -> fp32 logits (n, vocab_size) (`fp32`: as the language model's)."""
+        return self.language_model.compute_logits(hidden, fp32)
 
 
 def config_token_id(config: object, name: str) -> int:
