@@ -1,5 +1,6 @@
-"""The batch-1 MLP kernel with its weights in registers against the GEMVs it replaces,
-on Qwen3-0.6B's layer shape, and what one grid barrier costs.
+"""A batch-1 decode step's own kernels against those they replace, on Qwen3-0.6B's shapes
+(the MLP kernel with its weights in registers, the one-kernel decode attention, the LM
+head by the GEMV), and what one grid barrier costs.
 
     python benchmarks/bench_persistent.py [--context 512] [--json OUT]
 
@@ -8,14 +9,9 @@ on Qwen3-0.6B's layer shape, and what one grid barrier costs.
   projection (one kernel) against the three GEMVs (o_proj, norm + gate_up, SiLU + down).
 - `layer`: the attention sublayer's four kernels (norm + qkv GEMV, q/k norm + rotary + KV
   store, split attention and its merge over `--context` tokens) then the MLP either way.
-- `layer next qkv`: the MLP kernel also makes the next layer's qkv (EXTKV_PERSISTENT=2),
-  whose attention then starts at the q/k norm: 4 kernels against the 7.
 - `attention`: the norm + qkv GEMV and the decode attention kernel (q/k norm, rotary, KV
   store, attention and merge in one) against the GEMV and the three kernels it replaces.
 - `layer one attn`: the decode attention kernel, then the MLP kernel (3 kernels a layer).
-- `layer 2 kernels`: the decode attention kernel and the MLP kernel making the next
-  layer's qkv (EXTKV_PERSISTENT=2).
-- `layer one attn qkv split N`: `layer one attn` with the qkv GEMV's K split N ways.
 - `lm head N gemv/cublas`: Qwen3's LM head (151936 x 1024) at N rows, the GEMV against
   cuBLAS.
 
@@ -41,7 +37,6 @@ from extkv.attention import AttentionMetadata
 from extkv.kernels.decode_attention import rope_store_decode_attention
 from extkv.kernels.gated_mlp import gated_mlp_one_row
 from extkv.kernels.gemv import (
-    GemvConfig,
     linear_small_batch,
     num_sms,
     rms_norm_linear_small_batch,
@@ -118,33 +113,17 @@ class Layers:
             }
             for _ in range(LAYERS)
         ]
-        # The qkv the layer before made (`layer_handing_qkv`): layer 0's, to start.
-        self.handed, _ = rms_norm_linear_small_batch(
-            self.x, self.residual, self.norm, 1e-6, self.weights[0]["qkv"]
-        )
 
-    def attention(
-        self,
-        i: int,
-        qkv: torch.Tensor | None = None,
-        fused: bool = True,
-        splits: int | None = None,
-        qkv_tiling: GemvConfig | None = None,
-    ) -> torch.Tensor:
-        """Layer i's attention sublayer from its qkv (made here, by the norm + qkv GEMV
-        tiled by `qkv_tiling` or its default, unless given): `fused`, the decode attention
-        kernel (`splits` as given, else its own choice); else q/k norm + rotary + KV store,
-        the split attention, its merge."""
+    def attention(self, i: int, fused: bool = True) -> torch.Tensor:
+        """Layer i's attention sublayer, from the norm + qkv GEMV: `fused`, the decode
+        attention kernel; else q/k norm + rotary + KV store, the split attention, its merge."""
         w = self.weights[i]
-        if qkv is None:
-            qkv, _ = rms_norm_linear_small_batch(
-                self.x, self.residual, self.norm, 1e-6, w["qkv"], config=qkv_tiling
-            )
+        qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
         prepare = (qkv, self.positions, self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm)
         k_cache, v_cache = w["cache"][:, 0], w["cache"][:, 1]
         if fused:
             out = rope_store_decode_attention(
-                *prepare, 1e-6, k_cache, v_cache, self.metadata, HEAD_DIM**-0.5, num_splits=splits
+                *prepare, 1e-6, k_cache, v_cache, self.metadata, HEAD_DIM**-0.5
             )
         else:
             q = qk_norm_rope_store(*prepare, 1e-6, k_cache, v_cache, self.slots)
@@ -164,23 +143,11 @@ class Layers:
         hidden, _ = rms_norm_linear_small_batch(x, self.residual, self.norm, 1e-6, w["gate_up"])
         silu_and_mul_linear_small_batch(hidden, w["down"])
 
-    def layer(
-        self, i: int, fused_attention: bool = False, qkv_tiling: GemvConfig | None = None
-    ) -> None:
-        self.mlp(i, self.attention(i, fused=fused_attention, qkv_tiling=qkv_tiling))
+    def layer(self, i: int, fused_attention: bool = False) -> None:
+        self.mlp(i, self.attention(i, fused=fused_attention))
 
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
-
-    def layer_handing_qkv(
-        self, i: int, fused_attention: bool = False, splits: int | None = None
-    ) -> None:
-        w, following = self.weights[i], self.weights[(i + 1) % LAYERS]
-        attn = self.attention(i, self.handed, fused_attention, splits)
-        self.handed, _ = gated_mlp_one_row(
-            attn, self.residual, self.norm, 1e-6, w["gate_up"], w["down"], w["out"],
-            (self.norm, 1e-6, following["qkv"]),
-        )  # fmt: skip
 
 
 def measure(context: int) -> dict[str, dict[str, float]]:
@@ -190,17 +157,8 @@ def measure(context: int) -> dict[str, dict[str, float]]:
         "attention": (layers.attention, layers.attention_apart),
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
         "layer": (layers.layer, layers.layer_apart),
-        "layer next qkv": (layers.layer_handing_qkv, layers.layer_apart),
         "layer one attn": (partial(layers.layer, fused_attention=True), layers.layer_apart),
-        "layer 2 kernels": (
-            partial(layers.layer_handing_qkv, fused_attention=True),
-            layers.layer_apart,
-        ),
     }
-    for split_k in (2, 4):
-        tiling = GemvConfig(64, 128, split_k)
-        fused = partial(layers.layer, fused_attention=True, qkv_tiling=tiling)
-        cases[f"layer one attn qkv split {split_k}"] = (fused, layers.layer_apart)
     head = randn(VOCAB, HIDDEN, scale=HIDDEN**-0.5)
     for rows in (1, 16):
         hidden = randn(rows, HIDDEN)

@@ -247,8 +247,7 @@ def log_layer_table(kernels: list[dict], num_layers: int) -> None:
     PDL kernels overlap, so their durations do not add up; these do), averaged over the
     layers but the first and last. A layer starts at the step's first GEMV (the decode
     GEMV's batches only: up to 16 rows), or ends at each one-row MLP kernel where those
-    run (with EXTKV_PERSISTENT=2 only the first layer has a qkv GEMV: it counts before
-    the layers)."""
+    run (a kernel only the first layer has counts before the layers)."""
     ends = [k["ts"] + k["dur"] for k in kernels]
     shares = [ends[0] - kernels[0]["ts"], *(b - a for a, b in itertools.pairwise(ends))]
     first = next((i for i, k in enumerate(kernels) if "gemv" in k["name"]), None)

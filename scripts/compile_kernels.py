@@ -13,8 +13,8 @@ attention over a step's own K/V (TMA descriptors or pointer loads, sliding windo
 dims 64 to 256 at the tiles fit for them; its dots on wgmma, its TMA loads there), the
 q/k norm + rotary + KV store kernel (with and without its k output), the RMSNorm and
 SiLU*mul kernels whose math the GEMV's inputs share, the fused MoE's kernels, the
-Mamba2 prefill's conv and chunked-scan kernels, and the batch-1 MLP kernel with its
-weights in registers at Qwen3's and SmolLM2's shapes.
+Mamba2 prefill's conv and chunked-scan kernels, the batch-1 MLP kernel with its
+weights in registers at Qwen3's and SmolLM2's shapes, and the one-kernel decode attention.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from triton.compiler import ASTSource
 from extkv.kernels import (
     activation,
     causal_conv,
+    decode_attention,
     fused_moe,
     gated_mlp,
     gemv,
@@ -319,32 +320,57 @@ def mamba_prefill_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, 
 
 def persistent_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
     """The batch-1 MLP kernel with all its stages (one launch, grid barriers) at the plans
-    of Qwen3-0.6B and SmolLM2-135M, with and without the output projection and the next
-    layer's norm + qkv, bf16 and fp32 residual streams."""
+    of Qwen3-0.6B and SmolLM2-135M, with and without the output projection, bf16 and fp32
+    residual streams."""
     jobs = []
     names = inspect.signature(gated_mlp._gated_mlp_kernel.fn).parameters
-    shapes = {"qwen3": (1024, 3072, 2048, 4096), "smollm2": (576, 1536, 576, 960)}
-    for (shape, (hidden, inner, width, qkv)), out_proj, residual, has_next in itertools.product(
-        shapes.items(), (True, False), ("bf16", "fp32"), (False, True)
+    shapes = {"qwen3": (1024, 3072, 2048), "smollm2": (576, 1536, 576)}
+    for (shape, (hidden, inner, width)), out_proj, residual in itertools.product(
+        shapes.items(), (True, False), ("bf16", "fp32")
     ):
         width = width if out_proj else 0
-        plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132, qkv if has_next else 0)
+        plan = gated_mlp.RegisterPlan.of(hidden, inner, width, 2, 132)
         types = {n: "*bf16" for n in names if n.endswith("_ptr")}
         types.update(barrier_ptr="*i64", residual_ptr=f"*{residual}", stream_ptr=f"*{residual}")
-        types.update(next_stream_ptr=f"*{residual}", eps="fp32", next_eps="fp32")
+        types.update(eps="fp32")
         constexprs = dict(
-            HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, HAS_NEXT=has_next, RO1=plan.hidden_rows[0],
+            HAS_OUT_PROJ=out_proj, HAS_RESIDUAL=True, RO1=plan.hidden_rows[0],
             RO2=plan.hidden_rows[1], RI1=plan.inner_rows[0], RI2=plan.inner_rows[1],
-            RN1=max(plan.next_rows[0], 1), RN2=plan.next_rows[1],
             KA1=max(plan.attn_k[0], 1), KA2=plan.attn_k[1], KH1=plan.hidden_k[0],
-            KH2=plan.hidden_k[1],
-            KI1=plan.inner_k[0], KI2=plan.inner_k[1], FIRST=0 if out_proj else 1,
-            LAST=3 if has_next else 2,
-            USE_PDL=True,
+            KH2=plan.hidden_k[1], KI1=plan.inner_k[0], KI2=plan.inner_k[1],
+            FIRST=0 if out_proj else 1, LAST=2, USE_PDL=True,
         )  # fmt: skip
-        name = f"gated_mlp {shape} out_proj={out_proj:d} residual={residual} next={has_next:d}"
+        name = f"gated_mlp {shape} out_proj={out_proj:d} residual={residual}"
         options = {"num_warps": gated_mlp.NUM_WARPS}
         jobs.append((gated_mlp._gated_mlp_kernel, (name, types, constexprs), options))
+    return jobs
+
+
+def decode_attention_variants() -> list[tuple[triton.JITFunction, tuple[str, dict, dict], dict]]:
+    """The one-kernel decode attention at Qwen3's heads (q/k norm, split or not), Bamba's
+    half rotary without norm, Llama's head dim 64 and Gemma 3's 256, bf16."""
+    jobs = []
+    names = inspect.signature(decode_attention._decode_attention_kernel.fn).parameters
+    cases = [(2, 128, 128, True, splits) for splits in (1, 8, 16)]
+    cases += [(4, 128, 64, False, 4), (4, 64, 64, False, 8), (2, 256, 256, True, 4)]
+    for group, head_dim, rotary_dim, has_norm, splits in cases:
+        types = {n: "*bf16" for n in names if n.endswith("_ptr")}
+        types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "cos_sin_ptr"), "*fp32"))
+        types.update(
+            dict.fromkeys(("block_tables_ptr", "context_lens_ptr", "arrivals_ptr"), "*i32")
+        )
+        types.update(positions_ptr="*i64", slot_ptr="*i64", eps="fp32", qk_scale="fp32")
+        constexprs = dict(
+            NUM_Q_HEADS=8 * group, NUM_KV_HEADS=8, GROUP=group, BLOCK_M=16, HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim, ROTARY_DIM=rotary_dim, BLOCK_SIZE=16,
+            BLOCK_N=decode_attention.block_n(head_dim), NUM_SPLITS=splits, HAS_NORM=has_norm,
+            DOT_PRECISION="tf32", USE_PDL=True,
+        )  # fmt: skip
+        name = (
+            f"decode attention heads/kv={group} dim={head_dim} rotary={rotary_dim} splits={splits}"
+        )
+        options = {"num_warps": decode_attention.NUM_WARPS}
+        jobs.append((decode_attention._decode_attention_kernel, (name, types, constexprs), options))
     return jobs
 
 
@@ -381,6 +407,7 @@ def main() -> int:
     jobs += moe_variants()
     jobs += mamba_prefill_variants()
     jobs += persistent_variants()
+    jobs += decode_attention_variants()
     failed = 0
     for fn, (name, types, constexprs), options in jobs:
         try:

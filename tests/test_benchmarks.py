@@ -84,9 +84,9 @@ def test_layer_table_adds_up_the_critical_path(caplog: pytest.LogCaptureFixture)
 
 
 def test_layer_table_ends_layers_at_the_mlp_kernel(caplog: pytest.LogCaptureFixture) -> None:
-    """Where each layer ends in the one-row MLP kernel and only the first has a qkv GEMV
-    (EXTKV_PERSISTENT=2), layers run from the q/k norm to that kernel; the GEMV counts
-    before the first layer."""
+    """Where each layer ends in the one-row MLP kernel, the layers are cut there: in a trace
+    where only the first layer has a GEMV, layers run from the q/k norm to that kernel
+    and the GEMV counts before the first layer."""
     lines = layer_table(
         caplog,
         [

@@ -10,13 +10,11 @@ few roundings of its dtype, against a reference that rounds where the ops round.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import tempfile
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +32,6 @@ from extkv.kernels.gated_mlp import (
 from extkv.kernels.gemv import num_sms
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
 from extkv.models import load_model, ops
-from extkv.models.ops import NextQKV
 from helpers import (
     extkv_logits,
     interpreter_rounds_bf16_to_nearest,
@@ -42,20 +39,16 @@ from helpers import (
     vary_norms,
 )
 
-# (attention width, hidden, intermediate, the next layer's qkv rows): Qwen3-0.6B's and
-# SmolLM2-135M's, and scaled down for the interpreter: rows and K in one piece or two
-# (128 programs of 1, 2 + 1 and 2 rows; 32 programs of 2 + 1, 4 + 1 and 4 + 2 rows, K
-# 64 + 32 and 128 + 32).
-GPU_SHAPES = ((2048, 1024, 3072, 4096), (576, 576, 1536, 960))
-SMALL_SHAPES = ((256, 128, 384, 256), (64, 96, 160, 192))
+# (attention width, hidden, intermediate): Qwen3-0.6B's and SmolLM2-135M's, and scaled
+# down for the interpreter: rows and K in one piece or two (128 programs of 1 and 2 + 1
+# rows; 32 programs of 2 + 1 and 4 + 1 rows, K 64 + 32 and 128 + 32).
+GPU_SHAPES = ((2048, 1024, 3072), (576, 576, 1536))
+SMALL_SHAPES = ((256, 128, 384), (64, 96, 160))
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def operands(
-    width: int, hidden: int, inner: int, next_rows: int, dtype: torch.dtype, device: str
-) -> dict:
-    """One attention output row, an MLP's weights giving unit-size outputs, and the next
-    layer's norm and qkv weights."""
+def operands(width: int, hidden: int, inner: int, dtype: torch.dtype, device: str) -> dict:
+    """One attention output row and an MLP's weights giving unit-size outputs."""
     scaled = lambda *size: (torch.randn(*size, device=device) * size[-1] ** -0.5).to(dtype)  # noqa: E731
     return {
         "attn": torch.randn(1, width, device=device).to(dtype),
@@ -64,11 +57,6 @@ def operands(
         "gate_up": scaled(2 * inner, hidden),
         "down": scaled(hidden, inner),
         "out_weight": scaled(hidden, width),
-        "next": NextQKV(
-            (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype),
-            1e-5,
-            scaled(next_rows, hidden),
-        ),
     }
 
 
@@ -101,16 +89,6 @@ def rms_normed(stream: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return rounded(weight.double() * rounded(s * torch.rsqrt(s.pow(2).mean(-1, True) + eps)))
 
 
-def next_reference(
-    y: torch.Tensor, stream: torch.Tensor, next_qkv: NextQKV
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next layer's (qkv, stream) from this one's (y, stream), as its norm-GEMV makes
-    them."""
-    norm_weight, eps, weight = next_qkv
-    stream = (stream.double() + y.double()).to(stream.dtype)
-    return (rms_normed(stream, norm_weight, eps) @ weight.double().T).to(y.dtype), stream
-
-
 def check_one_row(
     width: int,
     hidden: int,
@@ -119,13 +97,10 @@ def check_one_row(
     residual_dtype: torch.dtype | None,
     projected: bool,
     device: str,
-    next_rows: int = 0,
 ) -> None:
     """Output and stream within the dtype's tolerance of the reference, the stream exactly
-    where no projection precedes it, the inputs left as they were. With `next_rows`, the
-    next layer's qkv and stream instead, against the reference's carried on."""
-    ops_ = operands(width, hidden, inner, max(next_rows, 1), dtype, device)
-    next_qkv = ops_["next"] if next_rows else None
+    where no projection precedes it, the inputs left as they were."""
+    ops_ = operands(width, hidden, inner, dtype, device)
     x = ops_["attn"] if projected else ops_["x"]
     out_weight = ops_["out_weight"] if projected else None
     residual = None
@@ -133,13 +108,11 @@ def check_one_row(
         residual = torch.randn(1, hidden, device=device).to(residual_dtype)
     args = (x, residual, ops_["norm_weight"], 1e-6, ops_["gate_up"], ops_["down"], out_weight)
     before = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
-    y, stream = gated_mlp_one_row(*args, next_qkv)
+    y, stream = gated_mlp_one_row(*args)
     expected, expected_stream = reference(*before[:3], *before[4:])
-    if next_qkv is not None:
-        expected, expected_stream = next_reference(expected, expected_stream, next_qkv)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(y.double(), expected.double(), rtol=tolerance, atol=tolerance)
-    if projected or next_qkv is not None:
+    if projected:
         torch.testing.assert_close(
             stream.double(), expected_stream.double(), rtol=tolerance, atol=tolerance
         )
@@ -163,10 +136,7 @@ def test_register_plan() -> None:
     """The most programs (<= the SMs) that split the rows evenly in two powers of two, and
     none where a slice would not fit in registers or a K cannot be tiled."""
     qwen = RegisterPlan.of(1024, 3072, 2048, 2, 132)
-    assert qwen == RegisterPlan(128, (8, 0), (16, 8), (0, 0), (2048, 0), (1024, 0), (2048, 1024))
-    assert RegisterPlan.of(1024, 3072, 2048, 2, 132, 4096).next_rows == (32, 0)
-    assert RegisterPlan.of(576, 1536, 576, 2, 132, 960).next_rows == (8, 2)
-    assert RegisterPlan.of(1024, 3072, 2048, 2, 132, 7000) is None  # more than gate/up's
+    assert qwen == RegisterPlan(128, (8, 0), (16, 8), (2048, 0), (1024, 0), (2048, 1024))
     smollm = RegisterPlan.of(576, 1536, 576, 2, 132)
     assert smollm is not None and smollm.programs == 96
     assert smollm.hidden_rows == (4, 2) and smollm.inner_rows == (16, 0)
@@ -179,7 +149,7 @@ def test_register_plan() -> None:
 
 def test_bad_inputs_are_refused() -> None:
     """Each refusal names the operand and the shape it must have; nothing is launched."""
-    o = operands(64, 96, 160, 192, torch.float32, "cpu")
+    o = operands(64, 96, 160, torch.float32, "cpu")
     x, nw, gu, down, ow = o["x"], o["norm_weight"], o["gate_up"], o["down"], o["out_weight"]
     cases = [
         ((x, None, nw, 1e-6, gu[1:], down), "gate_up must be (320, 96)"),
@@ -192,16 +162,10 @@ def test_bad_inputs_are_refused() -> None:
         ((x, None, nw, 1e-6, gu, down, ow), "x must be one row (1, 64)"),
         ((x.t().contiguous().t(), None, nw, 1e-6, gu, down.t().contiguous().t()), "contiguous"),
     ]
-    nxt = o["next"]
-    cases += [
-        ((x, None, nw, 1e-6, gu, down, None, nxt._replace(norm_weight=nw[1:])), "norm_weight must"),
-        ((x, None, nw, 1e-6, gu, down, None, nxt._replace(weight=nxt.weight.t())), "(Q, 96)"),
-        ((x, None, nw, 1e-6, gu, down, None, nxt._replace(weight=nxt.weight.half())), "dtype"),
-    ]
     for args, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             gated_mlp_one_row(*args)
-    big = operands(64, 100, 160, 200, torch.float32, "cpu")  # 100 is no two powers: no plan
+    big = operands(64, 100, 160, torch.float32, "cpu")  # 100 is no two powers: no plan
     with pytest.raises(ValueError, match="hidden 100 and inner 160 does not fit in registers"):
         gated_mlp_one_row(big["x"], None, big["norm_weight"], 1e-6, big["gate_up"], big["down"])
 
@@ -209,7 +173,7 @@ def test_bad_inputs_are_refused() -> None:
 def test_cpu_gated_mlp_is_the_separate_ops() -> None:
     """Off CUDA ops.gated_mlp is rms_norm_linear then silu_and_mul_linear (after `linear`
     by the output projection, where one is given)."""
-    o = operands(32, 64, 96, 64, torch.float32, "cpu")
+    o = operands(32, 64, 96, torch.float32, "cpu")
     x = o["x"].repeat(3, 1)
     mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])
     out_weight = torch.randn(64, 32)
@@ -225,35 +189,16 @@ def test_cpu_gated_mlp_is_the_separate_ops() -> None:
 
 
 def test_persistent_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EXTKV_PERSISTENT takes 0, 1 or 2 (default 1); anything else is refused by name."""
+    """EXTKV_PERSISTENT takes 0 or 1 (default 1); anything else (2, which ran the next
+    layer's qkv too, included) is refused by name."""
     monkeypatch.delenv("EXTKV_PERSISTENT", raising=False)
-    assert ops.persistent_decode() == 1
-    for level in (0, 2):
-        monkeypatch.setenv("EXTKV_PERSISTENT", str(level))
-        assert ops.persistent_decode() == level
-    monkeypatch.setenv("EXTKV_PERSISTENT", "yes")
-    with pytest.raises(ValueError, match=r"EXTKV_PERSISTENT must be 0 .*, 1 .* or 2 .*'yes'"):
-        ops.persistent_decode()
-
-
-@pytest.mark.parametrize(("kind", "bias"), [("qwen3", False), ("llama", True)])
-def test_each_layer_offers_the_next_layers_qkv(tmp_path: Path, kind: str, bias: bool) -> None:
-    """A decoder layer offers its MLP kernel the following layer's norm and qkv weight (the
-    op that layer runs first), the last layer nothing, and a qkv with a bias nothing."""
-    folder = make_random_checkpoint(
-        tmp_path, kind, with_tokenizer=False, num_hidden_layers=3, attention_bias=bias
-    )
-    layers = load_model(folder, torch.float32, torch.device("cpu"))[0].model.layers
-    assert all(layer.fuses_out_proj() for layer in layers)
-    for layer, following in itertools.pairwise(layers):
-        offered = layer._next_qkv()
-        if bias:
-            assert offered is None
-            continue
-        norm, qkv = following.input_layernorm, following.self_attn.qkv_proj
-        assert offered.weight is qkv.weight and offered.norm_weight is norm.weight
-        assert offered.eps == norm.eps
-    assert layers[-1]._next_qkv() is None
+    assert ops.persistent_decode()
+    monkeypatch.setenv("EXTKV_PERSISTENT", "0")
+    assert not ops.persistent_decode()
+    for wrong in ("2", "yes"):
+        monkeypatch.setenv("EXTKV_PERSISTENT", wrong)
+        with pytest.raises(ValueError, match=rf"EXTKV_PERSISTENT must be 0 .* or 1 .*'{wrong}'"):
+            ops.persistent_decode()
 
 
 def test_barrier_counter_is_made_once_per_grid() -> None:
@@ -268,11 +213,10 @@ def test_barrier_counter_is_made_once_per_grid() -> None:
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
 
-def check_handoff_through_the_model() -> None:
+def check_kernel_through_the_model() -> None:
     """A 3-layer model's logits for one row are the same (fp32, to rounding) whichever
-    EXTKV_PERSISTENT runs them, and level 2 hands the next layer its qkv from the first
-    two layers' MLP kernels (the last has none to hand on). CPU rows are let into the
-    decode GEMV's path, which the interpreter runs, by `takes_gemv`."""
+    EXTKV_PERSISTENT runs them, each layer's MLP in the kernel at 1, none at 0. CPU rows
+    are let into the decode GEMV's path, which the interpreter runs, by `takes_gemv`."""
     gemv_rows = ops.takes_gemv
 
     def also_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -284,7 +228,7 @@ def check_handoff_through_the_model() -> None:
     kernel = gated_mlp.gated_mlp_one_row
 
     def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(args[-1] is not None)  # was it given the next layer's qkv
+        calls.append(args[-1] is not None)  # was it given the output projection
         return kernel(*args)
 
     gated_mlp.gated_mlp_one_row = spy
@@ -295,23 +239,22 @@ def check_handoff_through_the_model() -> None:
     token = [torch.tensor([5])]
     logits = {}
     try:
-        for level in ("0", "1", "2"):
+        for level in ("0", "1"):
             os.environ["EXTKV_PERSISTENT"] = level
             calls.clear()
             logits[level] = extkv_logits(model, token)
-            assert calls == {"0": [], "1": [False] * 3, "2": [True, True, False]}[level], calls
+            assert calls == {"0": [], "1": [True] * 3}[level], calls
     finally:
         ops.takes_gemv, gated_mlp.gated_mlp_one_row = gemv_rows, kernel
         del os.environ["EXTKV_PERSISTENT"]
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits["2"], logits["0"], rtol=1e-4, atol=1e-4)
 
 
 def interpreter_checks() -> list[Callable[[], None]]:
     return [
-        check_handoff_through_the_model,
+        check_kernel_through_the_model,
         *(
-            partial(check_one_row, *shape[:3], dtype, residual_dtype, projected, "cpu", next_rows)
+            partial(check_one_row, *shape, dtype, residual_dtype, projected, "cpu")
             for shape in SMALL_SHAPES
             for dtype, residual_dtype in (
                 (torch.float32, torch.float32),
@@ -320,7 +263,6 @@ def interpreter_checks() -> list[Callable[[], None]]:
                 (torch.float16, None),
             )
             for projected in (False, True)
-            for next_rows in (0, shape[3])
         ),
     ]
 
@@ -367,49 +309,42 @@ def test_grid_barrier_orders_every_program() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gated_mlp_one_row_gpu(shape: tuple[int, int, int, int]) -> None:
+def test_gated_mlp_one_row_gpu(shape: tuple[int, int, int]) -> None:
     for residual_dtype in (torch.bfloat16, torch.float32, None):
         for projected in (False, True):
-            for next_rows in (0, shape[3]):
-                args = (*shape[:3], torch.bfloat16, residual_dtype, projected, "cuda", next_rows)
-                check_one_row(*args)
+            check_one_row(*shape, torch.bfloat16, residual_dtype, projected, "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_ops_take_the_kernel_at_one_row_gpu(
-    shape: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
+    shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ops.gated_mlp runs the kernel for one row where it has a plan (its bits): with the
-    next layer's qkv at EXTKV_PERSISTENT=2 (a ProjectedQKV), without it at 1, and the
-    GEMVs at 0 (a plain tensor, the projection's output)."""
+    """ops.gated_mlp runs the kernel for one row where it has a plan (its bits) at
+    EXTKV_PERSISTENT=1, and the GEMVs at 0 (their bits)."""
     o = operands(*shape, torch.bfloat16, "cuda")
-    assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"], o["next"]) is not None
+    assert plan_for(o["attn"], o["gate_up"], o["down"], o["out_weight"]) is not None
     mlp = ops.GatedMLPWeights(o["norm_weight"], 1e-6, o["gate_up"], o["down"])
     residual = torch.randn_like(o["x"])
     args = (o["attn"], residual, o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
     results = {}
-    for level in ("0", "1", "2"):
+    for level in ("0", "1"):
         monkeypatch.setenv("EXTKV_PERSISTENT", level)
-        results[level] = ops.gated_mlp(o["attn"], residual, mlp, o["out_weight"], o["next"])
+        results[level] = ops.gated_mlp(o["attn"], residual, mlp, o["out_weight"])
     assert all(map(torch.equal, results["1"], gated_mlp_one_row(*args)))
-    projected, stream = results["2"]
-    assert isinstance(projected, ops.ProjectedQKV)
-    expected = gated_mlp_one_row(*args, o["next"])
-    assert torch.equal(projected.qkv, expected[0]) and torch.equal(stream, expected[1])
-    assert isinstance(results["0"][0], torch.Tensor) and results["0"][0].shape == (1, shape[1])
+    projected = ops.linear(o["attn"], o["out_weight"])
+    gate_up, stream = ops.rms_norm_linear(projected, residual, mlp.norm, mlp.eps, mlp.gate_up)
+    assert torch.equal(results["0"][0], ops.silu_and_mul_linear(gate_up, mlp.down))
+    assert torch.equal(results["0"][1], stream)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("next_qkv", [False, True])
-def test_cuda_graph_replay_gpu(shape: tuple[int, int, int, int], next_qkv: bool) -> None:
-    """Captured once, replayed over new inputs: the eager kernel's bits every time, with
-    and without the next layer's qkv (another plan: another barrier counter)."""
+def test_cuda_graph_replay_gpu(shape: tuple[int, int, int]) -> None:
+    """Captured once, replayed over new inputs: the eager kernel's bits every time."""
     o = operands(*shape, torch.bfloat16, "cuda")
     static_attn, static_residual = o["attn"].clone(), torch.randn_like(o["x"])
     weights = (o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
-    weights += (o["next"] if next_qkv else None,)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture

@@ -12,10 +12,10 @@ stages' round trips run. On an H100, Qwen3-0.6B's shape: 14.0 us for the sublaye
 against 18.7 for the three GEMVs, and a batch-1 decode step of 0.990 ms against 1.090
 (BENCHMARKS.md, 2026-12-05 session 6).
 
-Given the next layer's norm and qkv weight (`next_qkv`, EXTKV_PERSISTENT=2), a fourth
-stage makes that layer's qkv from the new residual stream, its weight slice loaded
-into the registers gate/up's slices free, and the layer's own qkv GEMV goes: a layer
-of the prototype took 27.9 us against 29.5 (same section).
+A fourth stage making the next layer's norm + qkv (its weight slice loaded into the
+registers gate/up's free) took a layer from 26.8 to 29.2 us in the engine beside the one-
+kernel decode attention, which starts its K/V loads during the qkv GEMV (BENCHMARKS.md,
+2026-12-05 session 7): it is gone.
 
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
@@ -43,7 +43,7 @@ from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 
 # The stages, in order; a launch runs FIRST to LAST of them: all of a call's, with
 # barriers between them, or one at a time (the interpreter's launches).
-OUT_PROJ, GATE_UP, DOWN, NEXT_QKV = 0, 1, 2, 3
+OUT_PROJ, GATE_UP, DOWN = 0, 1, 2
 
 # Weight bytes a program may hold: Qwen3-0.6B's 176 KiB slices take 242 of the 255
 # registers a thread of 8 warps has, without spills (sm90, Triton 3.6).
@@ -64,14 +64,13 @@ def two_powers(n: int) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class RegisterPlan:
     """How `gated_mlp_one_row` cuts an MLP over its programs: each takes `hidden_rows`
-    rows of o_proj and down, `inner_rows` of gate and of up, and `next_rows` of the next
-    layer's qkv projection ((0, 0) without one); every row count and K is two powers of
-    two (the second 0 where one does; `attn_k` is (0, 0) without an output projection)."""
+    rows of o_proj and down and `inner_rows` of gate and of up; every row count and K is
+    two powers of two (the second 0 where one does; `attn_k` is (0, 0) without an output
+    projection)."""
 
     programs: int
     hidden_rows: tuple[int, int]
     inner_rows: tuple[int, int]
-    next_rows: tuple[int, int]
     attn_k: tuple[int, int]
     hidden_k: tuple[int, int]
     inner_k: tuple[int, int]
@@ -79,24 +78,21 @@ class RegisterPlan:
     @classmethod
     @functools.cache
     def of(
-        cls, hidden: int, inner: int, attn_width: int, itemsize: int, sms: int, next_rows: int = 0
+        cls, hidden: int, inner: int, attn_width: int, itemsize: int, sms: int
     ) -> RegisterPlan | None:
         """The plan with the most programs (<= `sms`) that splits the rows evenly and
-        whose slices fit in a program's registers; None if there is none. The next
-        layer's qkv slice (`next_rows` of it in all) goes where gate/up's were, so it
-        may be at most as large."""
+        whose slices fit in a program's registers; None if there is none."""
         ks = (
             two_powers(attn_width) if attn_width else (0, 0),
             two_powers(hidden),
             two_powers(inner),
         )
-        if None in ks or next_rows > 2 * inner:
+        if None in ks:
             return None
-        for programs in range(min(sms, math.gcd(hidden, inner, next_rows)), 0, -1):
-            if hidden % programs or inner % programs or next_rows % programs:
+        for programs in range(min(sms, math.gcd(hidden, inner)), 0, -1):
+            if hidden % programs or inner % programs:
                 continue
-            rows = [two_powers(n // programs) for n in (hidden, inner)]
-            rows.append(two_powers(next_rows // programs) if next_rows else (0, 0))
+            rows = two_powers(hidden // programs), two_powers(inner // programs)
             if None in rows:
                 continue
             per_program = (hidden * (attn_width + inner) + 2 * inner * hidden) // programs
@@ -168,21 +164,6 @@ def _store_own(ptr, v1, v2, begin, end, K1: tl.constexpr, K2: tl.constexpr):
 
 
 @triton.jit
-def _rms_normed(
-    s1, s2, norm_weight_ptr, hidden, eps, KH1: tl.constexpr, KH2: tl.constexpr, like_ptr
-):
-    """RMSNorm of a stream held in its two pieces (fp32, rounded as `like_ptr`'s dtype
-    first), as the norm kernel rounds; fp32 out."""
-    s1 = s1.to(like_ptr.dtype.element_ty).to(tl.float32)
-    s2 = s2.to(like_ptr.dtype.element_ty).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(s1 * s1, axis=0) + tl.sum(s2 * s2, axis=0)) / hidden + eps)
-    w1, w2 = _load_vector(norm_weight_ptr, KH1, KH2)
-    n1 = weighted_rms(s1, rstd, w1.to(tl.float32), like_ptr).to(tl.float32)
-    n2 = weighted_rms(s2, rstd, w2.to(tl.float32), like_ptr).to(tl.float32)
-    return n1, n2
-
-
-@triton.jit
 def _gated_mlp_kernel(
     attn_ptr,
     out_w_ptr,
@@ -194,24 +175,17 @@ def _gated_mlp_kernel(
     act_ptr,
     down_w_ptr,
     y_ptr,
-    next_norm_ptr,
-    next_w_ptr,
-    next_stream_ptr,
     barrier_ptr,
     attn_width,
     hidden,
     inner,
     eps,
-    next_eps,
     HAS_OUT_PROJ: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    HAS_NEXT: tl.constexpr,
     RO1: tl.constexpr,
     RO2: tl.constexpr,
     RI1: tl.constexpr,
     RI2: tl.constexpr,
-    RN1: tl.constexpr,
-    RN2: tl.constexpr,
     KA1: tl.constexpr,
     KA2: tl.constexpr,
     KH1: tl.constexpr,
@@ -223,27 +197,21 @@ def _gated_mlp_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Stages FIRST to LAST: OUT_PROJ (x = attn @ out_w^T, the stream residual + x),
-    GATE_UP (silu(gate) * up of RMSNorm(stream)), DOWN (y; with NEXT_QKV after it, the
-    next stream, stream + y), NEXT_QKV (y = the next layer's qkv of RMSNorm(next
-    stream)), a barrier between each two. Program p owns rows p * (RO1 + RO2) ... of
-    o_proj and down, p * (RI1 + RI2) ... of gate and of up, p * (RN1 + RN2) ... of the
-    next qkv; its weights are loaded before anything waits, the next qkv's once gate/up's
-    are spent."""
+    GATE_UP (silu(gate) * up of RMSNorm(stream)), DOWN (y), a barrier between each two.
+    Program p owns rows p * (RO1 + RO2) ... of o_proj and down, p * (RI1 + RI2) ... of
+    gate and of up; its weights are loaded before anything waits."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     hidden_row = pid * (RO1 + RO2)
     inner_row = pid * (RI1 + RI2)
-    next_row = pid * (RN1 + RN2)
     if HAS_OUT_PROJ and FIRST == 0:
         o11, o12, o21, o22 = _load_slice(out_w_ptr, hidden_row, attn_width, RO1, RO2, KA1, KA2)
     if FIRST <= 1 and LAST >= 1:
         g11, g12, g21, g22 = _load_slice(gate_up_w_ptr, inner_row, hidden, RI1, RI2, KH1, KH2)
         up_row = inner + inner_row
         u11, u12, u21, u22 = _load_slice(gate_up_w_ptr, up_row, hidden, RI1, RI2, KH1, KH2)
-    if FIRST <= 2 and LAST >= 2:
+    if LAST == 2:
         d11, d12, d21, d22 = _load_slice(down_w_ptr, hidden_row, inner, RO1, RO2, KI1, KI2)
-    if FIRST == 3:
-        q11, q12, q21, q22 = _load_slice(next_w_ptr, next_row, hidden, RN1, RN2, KH1, KH2)
     wait_for_previous_grid(USE_PDL)
 
     if HAS_OUT_PROJ and FIRST == 0:
@@ -261,7 +229,12 @@ def _gated_mlp_kernel(
             s2 = (r2.to(tl.float32) + s2.to(tl.float32)).to(residual_ptr.dtype.element_ty)
             # Every program has the whole stream; each writes its own rows of it.
             _store_own(stream_ptr, s1, s2, hidden_row, hidden_row + RO1 + RO2, KH1, KH2)
-        n1, n2 = _rms_normed(s1, s2, norm_weight_ptr, hidden, eps, KH1, KH2, x_ptr)
+        s1 = s1.to(x_ptr.dtype.element_ty).to(tl.float32)
+        s2 = s2.to(x_ptr.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(s1 * s1, axis=0) + tl.sum(s2 * s2, axis=0)) / hidden + eps)
+        w1, w2 = _load_vector(norm_weight_ptr, KH1, KH2)
+        n1 = weighted_rms(s1, rstd, w1.to(tl.float32), x_ptr).to(tl.float32)
+        n2 = weighted_rms(s2, rstd, w2.to(tl.float32), x_ptr).to(tl.float32)
         gate1, gate2 = _matvec(g11, g12, g21, g22, n1, n2)
         up1, up2 = _matvec(u11, u12, u21, u22, n1, n2)
         # gate and up rounded as the gate_up GEMV's output, then the activation's math
@@ -272,33 +245,13 @@ def _gated_mlp_kernel(
         act1 = silu_times(gate1, up1, x_ptr)
         act2 = silu_times(gate2, up2, x_ptr)
         _store_rows(act_ptr, inner_row, act1, act2, RI1, RI2)
-        if LAST == 3:  # into the registers gate/up's slices held
-            q11, q12, q21, q22 = _load_slice(next_w_ptr, next_row, hidden, RN1, RN2, KH1, KH2)
-        if LAST >= 2:
+        if LAST == 2:
             grid_barrier(barrier_ptr, programs)
 
-    if FIRST <= 2 and LAST >= 2:
+    if LAST == 2:
         h1, h2 = _load_vector(act_ptr, KI1, KI2)
         y1, y2 = _matvec(d11, d12, d21, d22, h1.to(tl.float32), h2.to(tl.float32))
-        if not HAS_NEXT:
-            _store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
-        else:  # the next stream's rows, as the next norm-GEMV's residual add makes them
-            r2, r2_ok = _piece(hidden_row + RO1, RO2)
-            rows1 = stream_ptr + hidden_row + tl.arange(0, RO1)
-            y1 = y1.to(x_ptr.dtype.element_ty).to(tl.float32)
-            y2 = y2.to(x_ptr.dtype.element_ty).to(tl.float32)
-            t1 = tl.load(rows1).to(tl.float32) + y1
-            t2 = tl.load(stream_ptr + r2, mask=r2_ok, other=0.0).to(tl.float32) + y2
-            _store_rows(next_stream_ptr, hidden_row, t1, t2, RO1, RO2)
-            if LAST == 3:
-                grid_barrier(barrier_ptr, programs)
-
-    if LAST == 3:
-        s1, s2 = _load_vector(next_stream_ptr, KH1, KH2)
-        s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
-        n1, n2 = _rms_normed(s1, s2, next_norm_ptr, hidden, next_eps, KH1, KH2, x_ptr)
-        qkv1, qkv2 = _matvec(q11, q12, q21, q22, n1, n2)
-        _store_rows(y_ptr, next_row, qkv1, qkv2, RN1, RN2)
+        _store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
 
 
 def _check_operands(
@@ -336,36 +289,17 @@ def _check_operands(
     return hidden, inner, attn_width
 
 
-def _check_next(
-    next_qkv: tuple[torch.Tensor, float, torch.Tensor], x: torch.Tensor, hidden: int
-) -> None:
-    """`ops.NextQKV`'s checks: the norm weight (H,), the qkv weight (Q, H) in x's dtype."""
-    norm_weight, _, weight = next_qkv
-    if norm_weight.shape != (hidden,) or not norm_weight.is_contiguous():
-        raise ValueError(
-            f"next_qkv's norm_weight must be a contiguous ({hidden},), "
-            f"got {tuple(norm_weight.shape)}"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden or not weight.is_contiguous():
-        raise ValueError(f"next_qkv's weight must be a contiguous (Q, {hidden})")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"next_qkv's weight dtype must be x's ({x.dtype})")
-
-
 def plan_for(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     out_weight: torch.Tensor | None,
-    next_qkv: tuple[torch.Tensor, float, torch.Tensor] | None = None,
 ) -> RegisterPlan | None:
-    """The register plan of this MLP (and the next qkv) on x's device (None: it takes
-    the GEMVs); attention width 0 where there is no output projection."""
+    """The register plan of this MLP on x's device (None: it takes the GEMVs); attention
+    width 0 where there is no output projection."""
     hidden, inner = down.shape
     attn_width = 0 if out_weight is None else out_weight.shape[-1]
-    next_rows = 0 if next_qkv is None else next_qkv[2].shape[0]
-    sms = num_sms(x.device)
-    return RegisterPlan.of(hidden, inner, attn_width, x.element_size(), sms, next_rows)
+    return RegisterPlan.of(hidden, inner, attn_width, x.element_size(), num_sms(x.device))
 
 
 def gated_mlp_one_row(
@@ -376,19 +310,13 @@ def gated_mlp_one_row(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     out_weight: torch.Tensor | None = None,
-    next_qkv: tuple[torch.Tensor, float, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream) for one row x,
     x first projected by `out_weight` (H, attn_width) where given: `ops.gated_mlp`'s
     math in one kernel. The stream is a new tensor (x's projection without a residual;
-    x itself without either).
-    With `next_qkv`, the next layer's first op runs too: it returns that layer's
-    (qkv, residual stream), what its `rms_norm_linear` of (y, stream) would.
-    Raises ValueError where `plan_for` has no plan."""
+    x itself without either). Raises ValueError where `plan_for` has no plan."""
     hidden, inner, _ = _check_operands(x, residual, norm_weight, gate_up, down, out_weight)
-    if next_qkv is not None:
-        _check_next(next_qkv, x, hidden)
-    plan = plan_for(x, gate_up, down, out_weight, next_qkv)
+    plan = plan_for(x, gate_up, down, out_weight)
     if plan is None:
         raise ValueError(
             f"an MLP of hidden {hidden} and inner {inner} does not fit in registers; "
@@ -397,13 +325,10 @@ def gated_mlp_one_row(
     projected = x.new_empty(1, hidden) if out_weight is not None else x
     stream = projected if residual is None else torch.empty_like(residual)
     act = x.new_empty(inner)
-    y = x.new_empty(1, hidden if next_qkv is None else next_qkv[2].shape[0])
-    next_stream = stream if next_qkv is None else torch.empty_like(stream)
-    next_norm, next_eps, next_weight = next_qkv or (norm_weight, 0.0, down)
+    y = x.new_empty(1, hidden)
     barrier = barrier_counter("gated_mlp_one_row", x.device, plan.programs)
     first = OUT_PROJ if out_weight is not None else GATE_UP
-    last = DOWN if next_qkv is None else NEXT_QKV
-    for first_stage, last_stage in stage_launches(tuple(range(first, last + 1)), x.device):
+    for first_stage, last_stage in stage_launches(tuple(range(first, DOWN + 1)), x.device):
         _gated_mlp_kernel[(plan.programs,)](
             x,
             x if out_weight is None else out_weight,  # never read without HAS_OUT_PROJ
@@ -415,24 +340,17 @@ def gated_mlp_one_row(
             act,
             down,
             y,
-            next_norm,  # the next_* are never read without NEXT_QKV
-            next_weight,
-            next_stream,
             barrier,
             sum(plan.attn_k),
             hidden,
             inner,
             eps,
-            next_eps,
             HAS_OUT_PROJ=out_weight is not None,
             HAS_RESIDUAL=residual is not None,
-            HAS_NEXT=next_qkv is not None,
             RO1=plan.hidden_rows[0],
             RO2=plan.hidden_rows[1],
             RI1=plan.inner_rows[0],
             RI2=plan.inner_rows[1],
-            RN1=max(plan.next_rows[0], 1),  # an arange of 1 where there is no next qkv
-            RN2=plan.next_rows[1],
             KA1=max(plan.attn_k[0], 1),  # an arange of 1 where there is no output projection
             KA2=plan.attn_k[1],
             KH1=plan.hidden_k[0],
@@ -444,4 +362,4 @@ def gated_mlp_one_row(
             num_warps=NUM_WARPS,
             **pdl_launch(x.device),
         )
-    return y, next_stream
+    return y, stream

@@ -226,14 +226,12 @@ class GatedMLP(nn.Module):
         out_proj: RowParallelLinear,
         residual: torch.Tensor | None,
         norm: RMSNorm,
-        next_qkv: ops.NextQKV | None = None,
-    ) -> tuple[torch.Tensor | ops.ProjectedQKV, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of `out_proj(attn)`: an attention's output projection and this MLP in
-        one op where they can be (`ops.gated_mlp`: one rank, no biases), which may also
-        run `next_qkv` and hand the next layer its qkv (`ops.ProjectedQKV`)."""
+        one op where they can be (`ops.gated_mlp`: one rank, no biases)."""
         if self._one_kernel() and out_proj.tp.size == 1 and out_proj.bias is None:
             weights = self._weights(norm)
-            return ops.gated_mlp(attn, residual, weights, out_proj.weight, next_qkv)
+            return ops.gated_mlp(attn, residual, weights, out_proj.weight)
         return self(out_proj(attn), residual, norm)
 
     def _one_kernel(self) -> bool:

@@ -7,7 +7,6 @@ cache) in the forward context.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -17,7 +16,6 @@ from transformers import PretrainedConfig
 
 from extkv.attention import Attention
 from extkv.attention.layer import QKNorm
-from extkv.models import ops
 from extkv.models.hf_config import head_dim, num_kv_heads, rope_parameters
 from extkv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from extkv.models.parallel import (
@@ -92,22 +90,18 @@ class DecoderAttention(nn.Module):
 
     def attend(
         self,
-        hidden: torch.Tensor | ops.ProjectedQKV,
+        hidden: torch.Tensor,
         residual: torch.Tensor | None,
         norm: RMSNorm,
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` up to the output projection: (the heads' outputs (T, heads * head_dim),
-        the residual stream), for a layer that runs `o_proj` in its MLP's kernel. `hidden`
-        may be this layer's qkv already, made by the layer before (`ops.ProjectedQKV`)."""
+        the residual stream), for a layer that runs `o_proj` in its MLP's kernel."""
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        if isinstance(hidden, ops.ProjectedQKV):
-            qkv = hidden.qkv
-        else:
-            qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
+        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
         return self.attn(qkv, positions, cos_sin_cache, qk_norm), residual
 
 
@@ -128,22 +122,6 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._following: tuple[DecoderLayer, ...] = ()  # a tuple: not a submodule
-
-    def hand_qkv_to(self, following: DecoderLayer) -> None:
-        """Let this layer's one-row MLP kernel run `following`'s norm + qkv projection too
-        (`ops.gated_mlp`'s next_qkv, EXTKV_PERSISTENT=2); DecoderModel pairs the layers."""
-        self._following = (following,)
-
-    def _next_qkv(self) -> ops.NextQKV | None:
-        """The following layer's first op, where it has one without a bias."""
-        if not self._following:
-            return None
-        following = self._following[0]
-        norm, qkv_proj = following.input_layernorm, following.self_attn.qkv_proj
-        if qkv_proj.bias is not None:
-            return None
-        return ops.NextQKV(norm.weight, norm.eps, qkv_proj.weight)
 
     def fuses_out_proj(self) -> bool:
         """Whether the attention's output projection runs in the MLP's kernel (a Llama-style
@@ -165,7 +143,7 @@ class DecoderLayer(nn.Module):
         if self.fuses_out_proj():
             out_proj = self.self_attn.o_proj
             out, residual = self.self_attn.attend(*args)
-            return self.mlp.after_projection(out, out_proj, residual, norm, self._next_qkv())
+            return self.mlp.after_projection(out, out_proj, residual, norm)
         hidden, residual = self.self_attn(*args)
         return self.mlp(hidden, residual, norm)
 
@@ -192,9 +170,6 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = embed_scale
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        for layer, following in itertools.pairwise(self.layers):
-            if all(isinstance(x, DecoderLayer) and x.fuses_out_proj() for x in (layer, following)):
-                layer.hand_qkv_to(following)
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
         if rotary is None:
             rotary = RotaryEmbedding(

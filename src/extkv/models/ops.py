@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,42 +121,22 @@ def rms_norm_linear(
     return linear(normed, weight, bias), residual
 
 
-def persistent_decode() -> int:
-    """EXTKV_PERSISTENT: how a CUDA decode step of one sequence runs each layer's MLP
-    sublayer (output projection, norm, gate_up, SiLU, down). 1, the default: as one
-    kernel with its weights in registers where they fit (extkv.kernels.gated_mlp); on an
-    H100, Qwen3-0.6B's shape, a batch-1 step took 0.990 ms against 1.090 with the GEMVs
-    (BENCHMARKS.md, 2026-12-05 session 6). 2: that kernel also runs the next layer's
-    norm + qkv projection (opt-in until measured in the engine; a layer of its prototype
-    took 27.9 us against 29.5). 0: the three GEMVs, whose sums do not depend on the rows
-    beside (up to 16), so a sequence decoded alone is bit for bit the sequence decoded in
-    a batch; at 1 and 2 a batch of one adds up in another order and may differ in the
-    last bits. `gpu-check persistent` measures them."""
+def persistent_decode() -> bool:
+    """EXTKV_PERSISTENT: whether a CUDA decode step of one sequence runs each layer's MLP
+    sublayer (output projection, norm, gate_up, SiLU, down) as one kernel with its
+    weights in registers where they fit (1, the default: extkv.kernels.gated_mlp), or as
+    three GEMVs (0). On an H100, Qwen3-0.6B's shape, a batch-1 step took 0.990 ms against
+    1.090 with the GEMVs (BENCHMARKS.md, 2026-12-05 session 6). The GEMVs' sums do not
+    depend on the rows beside (up to 16), so with 0 a sequence decoded alone is bit for
+    bit the sequence decoded in a batch; with 1 a batch of one adds up in another order
+    and may differ in the last bits. `gpu-check persistent` measures both."""
     wanted = os.environ.get("EXTKV_PERSISTENT", "1")
-    if wanted not in ("0", "1", "2"):
+    if wanted not in ("0", "1"):
         raise ValueError(
-            "EXTKV_PERSISTENT must be 0 (separate GEMVs), 1 (the one-row MLP kernel) or 2 "
-            f"(it and the next layer's qkv), got {wanted!r}"
+            "EXTKV_PERSISTENT must be 0 (separate GEMVs) or 1 (the one-row MLP kernel), "
+            f"got {wanted!r}"
         )
-    return int(wanted)
-
-
-class NextQKV(NamedTuple):
-    """The next layer's first op, for the one-row MLP kernel to run too
-    (EXTKV_PERSISTENT=2): its RMSNorm's weight and eps and its qkv projection's weight
-    (Q, H), no bias."""
-
-    norm_weight: torch.Tensor
-    eps: float
-    weight: torch.Tensor
-
-
-class ProjectedQKV(NamedTuple):
-    """A layer's qkv projection of its normed input, made by the layer before it
-    (`gated_mlp` with `next_qkv`) and handed on in place of the hidden states: what the
-    layer's own norm-GEMV would have returned first (the residual stream comes beside)."""
-
-    qkv: torch.Tensor
+    return wanted == "1"
 
 
 @dataclass(frozen=True)
@@ -176,49 +155,27 @@ def gated_mlp(
     residual: torch.Tensor | None,
     mlp: GatedMLPWeights,
     out_weight: torch.Tensor | None = None,
-    next_qkv: NextQKV | None = None,
-) -> tuple[torch.Tensor | ProjectedQKV, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(silu(gate) * up) of RMSNorm(residual + x), residual stream); with `out_weight`
     x is an attention's output, projected by it first (one rank, no bias). One row on
-    CUDA whose weights fit in registers runs as one kernel (extkv.kernels.gated_mlp),
-    which with EXTKV_PERSISTENT=2 also runs `next_qkv` where that fits too and returns
-    the next layer's (ProjectedQKV, residual stream) instead; other decode rows take the
-    fused GEMVs."""
+    CUDA whose weights fit in registers runs as one kernel (extkv.kernels.gated_mlp, unless
+    EXTKV_PERSISTENT=0); other decode rows take the fused GEMVs."""
     weights = (mlp.gate_up, mlp.down) if out_weight is None else (mlp.gate_up, mlp.down, out_weight)
     gemv = takes_gemv(x, weights[-1]) and all(w.dtype == x.dtype for w in weights)
-    level = persistent_decode() if gemv and x.shape[0] == 1 else 0
-    if level:
+    if gemv and x.shape[0] == 1 and persistent_decode():
         from extkv.kernels.gated_mlp import gated_mlp_one_row, plan_for
 
         operands = (
             (x, mlp.norm, *weights) if residual is None else (x, residual, mlp.norm, *weights)
         )
         contiguous = all(t.is_contiguous() for t in operands)
-        plan = plan_for(x, mlp.gate_up, mlp.down, out_weight)
-        if contiguous and plan is not None:
-            if level < 2 or not _fits_next(x, mlp, out_weight, next_qkv):
-                next_qkv = None
+        if contiguous and plan_for(x, mlp.gate_up, mlp.down, out_weight) is not None:
             args = (x, residual, mlp.norm, mlp.eps, mlp.gate_up, mlp.down, out_weight)
-            y, stream = gated_mlp_one_row(*args, next_qkv)
-            return (y if next_qkv is None else ProjectedQKV(y)), stream
+            return gated_mlp_one_row(*args)
     if out_weight is not None:
         x = linear(x, out_weight)
     gate_up, residual = rms_norm_linear(x, residual, mlp.norm, mlp.eps, mlp.gate_up)
     return silu_and_mul_linear(gate_up, mlp.down), residual
-
-
-def _fits_next(
-    x: torch.Tensor, mlp: GatedMLPWeights, out_weight: torch.Tensor | None, next_qkv: NextQKV | None
-) -> bool:
-    """Whether the one-row MLP kernel can take `next_qkv` too (in x's dtype, contiguous,
-    with a register plan)."""
-    from extkv.kernels.gated_mlp import plan_for
-
-    if next_qkv is None or next_qkv.weight.dtype != x.dtype:
-        return False
-    if not (next_qkv.weight.is_contiguous() and next_qkv.norm_weight.is_contiguous()):
-        return False
-    return plan_for(x, mlp.gate_up, mlp.down, out_weight, next_qkv) is not None
 
 
 def pending_tokens(
