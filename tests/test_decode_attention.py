@@ -187,6 +187,28 @@ def test_decode_attention_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> 
         attention_ops.decode_attention_enabled()
 
 
+def test_which_steps_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of up to DECODE_ATTENTION_MAX_SEQS sequences with heads of up to
+    DECODE_ATTENTION_MAX_HEAD_DIM, unless EXTKV_DECODE_ATTENTION=0; never a prefill."""
+    monkeypatch.delenv("EXTKV_DECODE_ATTENTION", raising=False)
+    most, widest = (
+        attention_ops.DECODE_ATTENTION_MAX_SEQS,
+        attention_ops.DECODE_ATTENTION_MAX_HEAD_DIM,
+    )
+
+    def takes(num_seqs: int, head_dim: int, prefill: bool = False) -> bool:
+        _, batch, _ = decode_inputs(
+            "split", 4, 1, 16, 16, False, [3] * (num_seqs - 1), torch.float32, "cpu"
+        )
+        batch.metadata.is_prefill = prefill
+        return attention_ops.takes_decode_attention(batch.metadata, head_dim)
+
+    assert takes(1, widest) and takes(most, 64)
+    assert not takes(most + 1, 64) and not takes(1, 2 * widest) and not takes(1, 64, prefill=True)
+    monkeypatch.setenv("EXTKV_DECODE_ATTENTION", "0")
+    assert not takes(1, 64)
+
+
 def test_refuses_a_prefill() -> None:
     cache, batch, args = decode_inputs("split", 4, 2, 32, 32, True, [5, 9], torch.float32, "cpu")
     batch.metadata.is_prefill = True

@@ -70,7 +70,7 @@ def rope_store_attention(
             return rope_store_prefill_attention(
                 *prepare, q_norm_weight, k_norm_weight, eps, *cache, metadata, scale, sliding_window
             )
-        if takes_decode_attention(metadata):
+        if takes_decode_attention(metadata, k_cache.shape[-1]):
             from extkv.kernels.decode_attention import rope_store_decode_attention
 
             return rope_store_decode_attention(
@@ -104,20 +104,25 @@ def prefill_attention_enabled() -> bool:
     return wanted == "1"
 
 
-# Batches up to this many sequences take the one-kernel decode attention. On an H100,
-# Qwen3-0.6B's shape (BENCHMARKS.md, 2026-12-05 session 7), it cut a layer from 30.7 to
-# 26.7 us at batch 1 and from 59.1 to 58.3 at 16, but slowed batch 256 from 6.95 to 7.57 ms
-# a step: with enough sequences to fill the GPU there is no split to merge and no wait to
-# hide, and its longer programs pipeline the keys less well than the paged kernel's.
+# Where the one-kernel decode attention runs: batches of up to this many sequences, heads
+# of up to this many channels. On an H100 (BENCHMARKS.md, 2026-12-05 session 7) it cut
+# Qwen3-0.6B's layer (head dim 128) from 30.7 to 26.7 us at batch 1 and from 59.1 to 58.3
+# at 16, and SmolLM2-135M's batch-1 step (64) from 0.625 to 0.549 ms; but it slowed
+# Qwen3's batch 256 from 6.95 to 7.57 ms a step (enough sequences to fill the GPU leave
+# no split to merge and no wait to hide, and its programs, at 165 registers, fit fewer to
+# an SM than the paged kernel's) and Gemma3-1B's batch-1 step (256) from 1.556 to 1.601.
 DECODE_ATTENTION_MAX_SEQS = 16
+DECODE_ATTENTION_MAX_HEAD_DIM = 128
 
 
-def takes_decode_attention(metadata: AttentionMetadata) -> bool:
+def takes_decode_attention(metadata: AttentionMetadata, head_dim: int) -> bool:
     """Whether a CUDA step's attention runs as one kernel (extkv.kernels.decode_attention):
     a decode step of at most DECODE_ATTENTION_MAX_SEQS sequences (graph padding included,
-    so the choice is the shape's), unless EXTKV_DECODE_ATTENTION=0."""
+    so the choice is the shape's) with heads of at most DECODE_ATTENTION_MAX_HEAD_DIM,
+    unless EXTKV_DECODE_ATTENTION=0."""
     small = metadata.num_seqs <= DECODE_ATTENTION_MAX_SEQS
-    return not metadata.is_prefill and small and decode_attention_enabled()
+    narrow = head_dim <= DECODE_ATTENTION_MAX_HEAD_DIM
+    return not metadata.is_prefill and small and narrow and decode_attention_enabled()
 
 
 def decode_attention_enabled() -> bool:
