@@ -3,7 +3,8 @@ references of what it fuses: q/k norm + rotary + KV store, then paged attention.
 
 As in test_kernels, the CPU checks run this file as a script under the Triton interpreter
 (`TRITON_INTERPRET=1`, in a subprocess); the GPU tests run the compiled kernel, eagerly,
-replayed in a CUDA graph (the arrival counters must reset), and in a model's decode step.
+replayed in a CUDA graph (the arrival counters must reset), and behind the dispatch (a
+model's decode steps run it in test_gpu_engine and test_fused_kernels).
 The cache slots of the new tokens are NaN before the call and so are the blocks before a
 window: a kernel that read either from the cache (rather than the new key from registers)
 would give NaN.

@@ -12,7 +12,8 @@ a partial softmax and a small second kernel merges them. The split count comes
 from tensor shapes only and each split's share of the context is computed on
 the device, which keeps decode capturable in a CUDA graph. (Merging in the
 attention kernel, by the last split to finish, measured no faster on the H200
-at batch 1: BENCHMARKS.md, 2026-12-04 "fused decode".)
+at batch 1: BENCHMARKS.md, 2026-12-04 "fused decode"; it pays where the q/k norm,
+rotary and KV store join it too: extkv.kernels.decode_attention.)
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """(n, hidden_size) -> fp32 logits, tanh-capped at +-final_logit_softcapping (in
-        fp32 whatever `fp32` says, where there is a cap)."""
+        """(n, hidden_size) -> logits, tanh-capped at +-final_logit_softcapping: in fp32
+        where there is a cap whatever `fp32` says, else as `CausalLM.compute_logits`."""
         cap = self.final_logit_softcapping
         logits = super().compute_logits(hidden, fp32 or cap is not None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
