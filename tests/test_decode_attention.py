@@ -338,6 +338,13 @@ def test_dispatch_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 if __name__ == "__main__":
     backport_interpreter_index_fix()
-    for check in interpreter_checks():
-        torch.manual_seed(0)
-        check()
+    from extkv.kernels import decode_attention
+
+    # At the interpreter's head dims a tile holds every CPU context's keys: run the checks
+    # again with 16-key tiles, so a split spans several (the kernel's loop over the tiles
+    # after the first) and the new key is not always in the first split.
+    for tile_elements in (decode_attention.TILE_ELEMENTS, 16 * 32):
+        decode_attention.TILE_ELEMENTS = tile_elements
+        for check in interpreter_checks():
+            torch.manual_seed(0)
+            check()
