@@ -190,15 +190,14 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own
         self.graphs: DecodeGraphs | None = None
         self.logits = torch.zeros(max_seqs, vocab_size, dtype=torch.float32, device=self.device)
-        self.greedy_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
-        # The last sampled tokens stay on the device for the next step's inputs; two host
-        # buffers take turns receiving them, so a step's copy never overwrites tokens the
-        # host has not read yet.
+        # The last sampled tokens stay on the device for the next step's inputs (the decode
+        # graph stores its greedy tokens there itself); two host buffers take turns
+        # receiving them, so a step's copy never overwrites tokens the host has not read yet.
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
         self._last_rows: dict[str, int] = {}  # row of each request's token in last_tokens
         pinned = self.device.type == "cuda"
         self._host_tokens = [
-            torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
+            torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pinned) for _ in range(2)
         ]
         self.num_steps = 0  # steps launched
 
@@ -415,12 +414,13 @@ class ModelRunner:
         return StepShape.decode(bs, self.max_blocks_per_seq)
 
     def _decode(self, bs: int) -> None:
-        """The static decode step of `bs` staged rows (what the graphs capture): logits and
-        greedy tokens into persistent outputs."""
+        """The static decode step of `bs` staged rows (what the graphs capture): logits into
+        a persistent output, greedy tokens into `last_tokens`, where the next step reads
+        them (the sampler replaces the rows it samples otherwise)."""
         views = self.buffers.views(self._decode_shape(bs), 0)
         context = views.context(False, 1, self.config.max_model_len)
         logits = self.model.compute_logits(self._hidden(context, views), fp32=False)
-        ops.store_logits_and_argmax(logits, self.logits[:bs], self.greedy_tokens[:bs])
+        ops.store_logits_and_argmax(logits, self.logits[:bs], self.last_tokens[:bs])
 
     def _uses_graph(self, inputs: StepInputs) -> bool:
         return (
@@ -440,7 +440,7 @@ class ModelRunner:
             bs = self.graphs.padded_size(n)
             self.buffers.stage(inputs, self._decode_shape(bs))
             self.graphs.run(bs)
-            return StepLogits(self.logits[:n], self.greedy_tokens[:n])
+            return StepLogits(self.logits[:n], self.last_tokens[:n])
         shape = StepShape(inputs.num_tokens, n, inputs.width)
         self.buffers.stage(inputs, shape)
         views = self.buffers.views(shape, len(inputs.sample_rows))
@@ -481,8 +481,13 @@ class ModelRunner:
             )
         if self.tp.size > 1:
             self.tp.broadcast_object(inputs)  # the workers' step (extkv.engine.workers)
-        result = self.forward(inputs)
         sampled = plan.sampled
+        # Built before the step runs: penalties read the pending tokens from last_tokens,
+        # which a decode graph overwrites with its own.
+        batch = SamplingBatch.build(
+            sampled, self._generator, self.vocab_size, self.last_tokens, last_rows
+        )
+        result = self.forward(inputs)
         host = self._host_tokens[self.num_steps % 2][: len(sampled)]
         self.num_steps += 1
         request_ids = [r.request_id for r in sampled]
@@ -491,12 +496,11 @@ class ModelRunner:
         if result.prompt is not None:
             out.prompt_spans, out.prompt_logprobs = self._prompt_logprobs(plan, result.prompt)
         if result.logits is not None:
-            batch = SamplingBatch.build(
-                sampled, self._generator, self.vocab_size, self.last_tokens, last_rows
-            )
             sample = self.sampler(result.logits, batch, result.greedy)
-            self.last_tokens[: len(sampled)] = sample.tokens
-            host.copy_(sample.tokens, non_blocking=True)
+            tokens = self.last_tokens[: len(sampled)]
+            if sample.tokens is not result.greedy:  # else the graph's tokens are there
+                tokens.copy_(sample.tokens)
+            host.copy_(tokens, non_blocking=True)
             if sample.logprobs is not None:
                 out.logprobs, out.logprob_rows = sample.logprobs.to_host(), batch.logprob_rows
         if self.device.type == "cuda":

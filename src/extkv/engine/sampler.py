@@ -98,6 +98,7 @@ class TopLogprobs:
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TopLogprobs:
     """The raw log-softmax of `logits` (R, V) at `chosen` (R,) and at the top `k` tokens."""
+    chosen = chosen.long()  # the decode graph's tokens are int32
     logprobs = logits.log_softmax(dim=-1)
     top, top_ids = logprobs.topk(k, dim=-1)
     chosen_logprob = logprobs.gather(1, chosen[:, None])
@@ -114,7 +115,7 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TopLogpr
 class SamplerOutput:
     """One token per row, and the logprobs of the rows of `batch.logprob_rows`."""
 
-    tokens: torch.Tensor  # int64 (num_rows,)
+    tokens: torch.Tensor  # (num_rows,): int64, or int32 where it is the caller's greedy tokens
     logprobs: TopLogprobs | None
 
 
@@ -131,8 +132,8 @@ class Sampler:
         batch: SamplingBatch,
         greedy_tokens: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits: float32 (num_seqs, vocab) -> one int64 token per row, on the device
-        (the host reads them later)."""
+        """logits: float32 (num_seqs, vocab) -> one token per row, on the device (the host
+        reads them later): `greedy_tokens` itself where every row takes it unadjusted."""
         raw = logits
         if batch.adjust is not None:
             logits = _adjust(logits, batch.adjust)
@@ -162,7 +163,7 @@ class Sampler:
                     for i in sampled_rows
                 ]
             )
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = (probs / noise).argmax(dim=-1).to(tokens.dtype)
         logprobs = None
         if batch.logprob_rows:
             rows = torch.tensor(batch.logprob_rows, device=logits.device)
