@@ -101,7 +101,7 @@ class SampledTokens:
     the prompt logprobs of `prompt_spans` (request id, first position, count), in order."""
 
     request_ids: list[str]
-    host: torch.Tensor  # int64, written by a copy behind the step
+    host: torch.Tensor  # int32, written by a copy behind the step
     ready: torch.cuda.Event | None  # None: already there (CPU)
     logprobs: TopLogprobs | None = None
     logprob_rows: list[int] = field(default_factory=list)
