@@ -12,6 +12,8 @@ head by the GEMV), and what one grid barrier costs.
 - `attention`: the norm + qkv GEMV and the decode attention kernel (q/k norm, rotary, KV
   store, attention and merge in one) against the GEMV and the three kernels it replaces.
 - `layer one attn`: the decode attention kernel, then the MLP kernel (3 kernels a layer).
+- `layer one row`: the same with the norm + qkv by the one-row kernel
+  (extkv.kernels.norm_linear) against the GEMV ("apart" here is `layer one attn`).
 - `lm head N gemv/cublas`: Qwen3's LM head (151936 x 1024) at N rows, the GEMV against
   cuBLAS.
 
@@ -43,6 +45,7 @@ from extkv.kernels.gemv import (
     silu_and_mul_linear_small_batch,
 )
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
+from extkv.kernels.norm_linear import rms_norm_linear_one_row
 from extkv.kernels.paged_attention import paged_attention
 from extkv.kernels.rotary import qk_norm_rope_store
 
@@ -114,11 +117,13 @@ class Layers:
             for _ in range(LAYERS)
         ]
 
-    def attention(self, i: int, fused: bool = True) -> torch.Tensor:
-        """Layer i's attention sublayer, from the norm + qkv GEMV: `fused`, the decode
-        attention kernel; else q/k norm + rotary + KV store, the split attention, its merge."""
+    def attention(self, i: int, fused: bool = True, one_row_qkv: bool = False) -> torch.Tensor:
+        """Layer i's attention sublayer, from the norm + qkv GEMV (`one_row_qkv`: the one-row
+        kernel): `fused`, the decode attention kernel; else q/k norm + rotary + KV store,
+        the split attention, its merge."""
         w = self.weights[i]
-        qkv, _ = rms_norm_linear_small_batch(self.x, self.residual, self.norm, 1e-6, w["qkv"])
+        norm_qkv = rms_norm_linear_one_row if one_row_qkv else rms_norm_linear_small_batch
+        qkv, _ = norm_qkv(self.x, self.residual, self.norm, 1e-6, w["qkv"])
         prepare = (qkv, self.positions, self.cos_sin, Q_HEADS, KV_HEADS, self.q_norm, self.k_norm)
         k_cache, v_cache = w["cache"][:, 0], w["cache"][:, 1]
         if fused:
@@ -143,8 +148,8 @@ class Layers:
         hidden, _ = rms_norm_linear_small_batch(x, self.residual, self.norm, 1e-6, w["gate_up"])
         silu_and_mul_linear_small_batch(hidden, w["down"])
 
-    def layer(self, i: int, fused_attention: bool = False) -> None:
-        self.mlp(i, self.attention(i, fused=fused_attention))
+    def layer(self, i: int, fused_attention: bool = False, one_row_qkv: bool = False) -> None:
+        self.mlp(i, self.attention(i, fused=fused_attention, one_row_qkv=one_row_qkv))
 
     def layer_apart(self, i: int) -> None:
         self.mlp_apart(i, self.attention_apart(i))
@@ -158,6 +163,10 @@ def measure(context: int) -> dict[str, dict[str, float]]:
         "mlp": (lambda i: layers.mlp(i, layers.attn), lambda i: layers.mlp_apart(i, layers.attn)),
         "layer": (layers.layer, layers.layer_apart),
         "layer one attn": (partial(layers.layer, fused_attention=True), layers.layer_apart),
+        "layer one row": (
+            partial(layers.layer, fused_attention=True, one_row_qkv=True),
+            partial(layers.layer, fused_attention=True),
+        ),
     }
     head = randn(VOCAB, HIDDEN, scale=HIDDEN**-0.5)
     for rows in (1, 16):

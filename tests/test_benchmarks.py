@@ -104,3 +104,28 @@ def test_layer_table_ends_layers_at_the_mlp_kernel(caplog: pytest.LogCaptureFixt
     assert "3 kernels a layer, 17.00 us a layer" in lines[0]
     assert "6.0 us before the first layer, 21.0 us after the last" in lines[0]
     assert [line.split(" us")[0].split()[-1] for line in lines[1:4]] == ["2.00", "4.00", "11.00"]
+
+
+def test_layer_stamps_patch_applies_to_the_kernels(tmp_path: Path) -> None:
+    """benchmarks/layer_stamps.py finds every place it stamps in today's kernels (it runs
+    on the device only, where a patch that no longer applies would cost a call): each
+    kernel gets its stamps and still parses."""
+    import ast
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from layer_stamps import POINTS, patch_kernels
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    patch_kernels(BENCHMARKS.parent / "src", tmp_path)
+    kernels = tmp_path / "extkv" / "kernels"
+    expected = {
+        "norm_linear.py": len(POINTS["qkv"]),
+        "gemv.py": len(POINTS["qkv"]) - 1,  # no "normed": the norm is inside its loop
+        "decode_attention.py": len(POINTS["attn"]),
+        "gated_mlp.py": len(POINTS["mlp"]),
+    }
+    for name, stamps in expected.items():
+        text = (kernels / name).read_text()
+        ast.parse(text)
+        assert text.count("stamp(pp, ") == stamps, name

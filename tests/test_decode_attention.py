@@ -20,7 +20,8 @@ import torch
 
 from extkv.attention import ops as attention_ops
 from extkv.attention.reference import paged_attention_reference, store_kv_reference
-from extkv.kernels.decode_attention import rope_store_decode_attention
+from extkv.kernels import decode_attention
+from extkv.kernels.decode_attention import merge_heads, rope_store_decode_attention
 from extkv.models import reference
 from extkv.models.layers import RotaryEmbedding
 from helpers import (
@@ -162,9 +163,22 @@ CPU_LENS = [1, 9, 150, 77]  # the new key alone; within a tile; several tiles pe
 CPU = dict(dtype=torch.float32, device="cpu", tol=1e-5)
 
 
+def check_merge_in_chunks() -> None:
+    """The last split merges a GQA group of 4 two heads a round trip where MERGE_ELEMENTS
+    holds two heads' partials: the reference's outputs all the same."""
+    saved = decode_attention.MERGE_ELEMENTS
+    decode_attention.MERGE_ELEMENTS = 2 * 4 * 32
+    try:
+        assert merge_heads(4, 4, 32) == 2
+        check_decode_attention("split", 4, 4, 32, 32, True, CPU_LENS, **CPU, num_splits=4)
+    finally:
+        decode_attention.MERGE_ELEMENTS = saved
+
+
 def interpreter_checks() -> list[Callable[[], None]]:
     check = partial(check_decode_attention, context_lens=CPU_LENS, **CPU)
     return [
+        check_merge_in_chunks,
         *(partial(check, layout, 4, 4, 32, 32, True, num_splits=4) for layout in LAYOUTS),
         partial(check, "split", 16, 1, 32, 16, False, num_splits=1),  # half rotary, no norm
         partial(check, "hybrid", 4, 3, 24, 24, True, num_splits=2),  # odd group, dim 24
@@ -175,6 +189,16 @@ def interpreter_checks() -> list[Callable[[], None]]:
 
 def test_interpreted() -> None:
     run_interpreted(__file__, timeout=600)
+
+
+def test_merge_heads() -> None:
+    """A whole group (padded to a power of two) where its partials fit MERGE_ELEMENTS,
+    else as many heads as fit, at least one."""
+    assert merge_heads(2, 8, 128) == 2
+    assert merge_heads(3, 2, 24) == 4
+    assert merge_heads(8, 16, 128) == 4
+    assert merge_heads(8, 16, 256) == 2
+    assert merge_heads(8, 64, 256) == 1
 
 
 def test_decode_attention_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,13 +9,15 @@ H100 (BENCHMARKS.md, 2026-12-05 session 6). Here a program owns one split of one
 
 1. before `wait_for_previous_grid`, loads its split's first K/V tile: keys earlier steps
    wrote, which no kernel of this step touches, so they stream in while the kernel
-   before (the qkv projection) finishes;
+   before (the qkv projection) finishes; and the step's position, slot, cos/sin and
+   q/k norm weights, so that after the wait only qkv is a round trip away;
 2. norms and rotates its GQA group's q rows out of qkv; the program whose split ends at
    the new token also norms and rotates that token's k, stores k and v in the cache,
    and starts its softmax with that key, from registers;
 3. attends over the rest of its split, the first tile from registers, the others as the
    paged kernel does, and writes its partial output; the last split of a (sequence, KV
-   head) to arrive merges them (extkv.kernels.arrivals), in split order.
+   head) to arrive merges them (extkv.kernels.arrivals), in split order, all the group's
+   heads in one round trip (`merge_heads`).
 
 Sums run in another order than the three kernels' (the new key first, in fp32 products
 rather than the tensor cores'), so outputs agree within the dtype's roundings, not bit
@@ -36,21 +38,38 @@ from extkv.kernels.paged_attention import (
     NO_WINDOW,
     _attend_tile,
     decode_splits,
-    merged_splits,
     softmax_step,
 )
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
-from extkv.kernels.rotary import _check_shapes, norm_rope
+from extkv.kernels.rotary import _check_shapes, rope_factors, rotate
 
 _LOG2E = math.log2(math.e)
 TILE_ELEMENTS = 8192  # a K (and a V) tile's keys x head dim: 64 keys of 128, 32 of 256
 NUM_WARPS = 4
+MERGE_ELEMENTS = 8192  # fp32 partial outputs merged at once: 64 registers a thread of 4 warps
 
 
 @triton.jit
 def _kv_tile(cache_ptr, page, offset, kv_head, dim, mask, stride_b, stride_s, stride_h, stride_d):
     rows = page[:, None] * stride_b + offset[:, None] * stride_s + kv_head * stride_h
     return tl.load(cache_ptr + rows + dim[None, :] * stride_d, mask=mask, other=0.0)
+
+
+@triton.jit
+def _merged_heads(part_out_ptr, part_lse_ptr, parts, head_ok, dim, dim_ok, HEAD_DIM: tl.constexpr):
+    """(heads, HEAD_DIM) outputs of several heads at once from their splits' partial
+    outputs and log2-sum-exps at rows `parts` (heads, splits): `merged_splits` of each
+    head, every load in one round trip (a head at a time waits out one each)."""
+    lse = tl.load(
+        part_lse_ptr + parts, mask=head_ok[:, None], other=float("-inf"), cache_modifier=".cv"
+    )
+    lse_max = tl.max(lse, 1)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])
+    o_ptrs = part_out_ptr + parts[:, :, None] * HEAD_DIM + dim[None, None, :]
+    o_mask = head_ok[:, None, None] & dim_ok[None, None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0, cache_modifier=".cv")
+    total = tl.sum(weight, 1)
+    return tl.sum(weight[:, :, None] * o, 1) / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit
@@ -96,6 +115,7 @@ def _decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_HEADS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -130,16 +150,24 @@ def _decode_attention_kernel(
         v_cache_ptr, page, offset, kv_head, dim, tile_ok,
         stride_vb, stride_vs, stride_vh, stride_vd,
     )  # fmt: skip
+    # The step's inputs and constant tables, which no kernel of the step writes, too.
+    cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
+    partner, cos, sin, q_w, q_wp = rope_factors(
+        cos_sin_row, q_weight_ptr, dim[None, :], HEAD_DIM, ROTARY_DIM, HAS_NORM
+    )
+    _, _, _, k_w, k_wp = rope_factors(
+        cos_sin_row, k_weight_ptr, dim[None, :], HEAD_DIM, ROTARY_DIM, HAS_NORM
+    )
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
     wait_for_previous_grid(USE_PDL)
 
     row_ptr = qkv_ptr + seq.to(tl.int64) * stride_qkv
-    cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
     q_live = row_ok[:, None] & dim_ok[None, :]
-    q = norm_rope(
-        row_ptr, cos_sin_row, q_weight_ptr, head[:, None], dim[None, :], q_live, eps,
+    q = rotate(
+        row_ptr, head[:, None], dim[None, :], q_live, partner, cos, sin, q_w, q_wp, eps,
         HEAD_DIM, ROTARY_DIM, HAS_NORM,
     ).to(qkv_ptr.dtype.element_ty)  # fmt: skip
 
@@ -149,13 +177,12 @@ def _decode_attention_kernel(
     if (kv_lo <= new_pos) & (new_pos < kv_hi):  # this split ends at the new token
         k_row = row_ptr + NUM_Q_HEADS * HEAD_DIM
         live = dim_ok[None, :]
-        k_new = norm_rope(
-            k_row, cos_sin_row, k_weight_ptr, kv_head, dim[None, :], live, eps,
+        k_new = rotate(
+            k_row, kv_head, dim[None, :], live, partner, cos, sin, k_w, k_wp, eps,
             HEAD_DIM, ROTARY_DIM, HAS_NORM,
         ).to(k_cache_ptr.dtype.element_ty)  # fmt: skip
         v_row = k_row + NUM_KV_HEADS * HEAD_DIM + kv_head * HEAD_DIM
         v_new = tl.load(v_row + dim[None, :], mask=live, other=0.0).to(v_cache_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
         if slot >= 0:  # -1: a padding row, its slot stays untouched
             slot_block, slot_offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             k_dst = k_cache_ptr + slot_block * stride_kb + slot_offset * stride_ks
@@ -197,12 +224,18 @@ def _decode_attention_kernel(
         counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
             splits = tl.arange(0, NUM_SPLITS)
-            for g in tl.static_range(GROUP):
+            for first in tl.static_range(0, GROUP, MERGE_HEADS):  # one round trip a chunk
+                g = first + tl.arange(0, MERGE_HEADS)
                 h = kv_head * GROUP + g
-                parts = (seq * NUM_Q_HEADS + h) * NUM_SPLITS + splits
-                o = merged_splits(part_out_ptr, part_lse_ptr, parts, dim, dim_ok, HEAD_DIM, ".cv")
-                o_ptrs = out_ptr + seq * stride_ot + h * stride_oh + dim * stride_od
-                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+                parts = (seq * NUM_Q_HEADS + h)[:, None] * NUM_SPLITS + splits[None, :]
+                o = _merged_heads(
+                    part_out_ptr, part_lse_ptr, parts, g < GROUP, dim, dim_ok, HEAD_DIM
+                )
+                o_ptrs = out_ptr + seq * stride_ot + h[:, None] * stride_oh
+                o_mask = (g < GROUP)[:, None] & dim_ok[None, :]
+                tl.store(
+                    o_ptrs + dim[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask
+                )
             tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
@@ -210,6 +243,13 @@ def block_n(head_dim: int) -> int:
     """Keys a tile: TILE_ELEMENTS over the padded head dim (the first tile of K and of V
     sit in registers through the wait), at least 16 for the tensor cores."""
     return max(16, TILE_ELEMENTS // max(triton.next_power_of_2(head_dim), 16))
+
+
+def merge_heads(group: int, splits: int, head_dim: int) -> int:
+    """Heads the last split merges in one round trip: the whole GQA group (padded to a
+    power of two) where its partial outputs take at most MERGE_ELEMENTS."""
+    per_head = splits * max(triton.next_power_of_2(head_dim), 16)
+    return min(triton.next_power_of_2(group), max(1, MERGE_ELEMENTS // per_head))
 
 
 def rope_store_decode_attention(
@@ -290,6 +330,7 @@ def rope_store_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n(head_dim),
         NUM_SPLITS=splits,
+        MERGE_HEADS=merge_heads(group, splits, head_dim),
         HAS_NORM=has_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS,

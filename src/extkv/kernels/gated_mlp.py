@@ -15,7 +15,8 @@ against 18.7 for the three GEMVs, and a batch-1 decode step of 0.990 ms against 
 A fourth stage making the next layer's norm + qkv (its weight slice loaded into the
 registers gate/up's free) took a layer from 26.8 to 29.2 us in the engine beside the one-
 kernel decode attention, which starts its K/V loads during the qkv GEMV (BENCHMARKS.md,
-2026-12-05 session 7): it is gone.
+2026-12-05 session 7): it is gone. The norm + qkv is a one-row kernel of its own
+(extkv.kernels.norm_linear), beside which the attention kernel's programs do start.
 
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
@@ -38,8 +39,15 @@ import triton.language as tl
 from extkv.kernels.activation import silu_times
 from extkv.kernels.gemv import num_sms
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, stage_launches
-from extkv.kernels.norm import weighted_rms
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
+from extkv.kernels.register_slices import (
+    load_slice,
+    load_vector,
+    matvec,
+    rms_normed_row,
+    store_rows,
+    two_powers,
+)
 
 # The stages, in order; a launch runs FIRST to LAST of them: all of a call's, with
 # barriers between them, or one at a time (the interpreter's launches).
@@ -49,16 +57,6 @@ OUT_PROJ, GATE_UP, DOWN = 0, 1, 2
 # registers a thread of 8 warps has, without spills (sm90, Triton 3.6).
 MAX_SLICE_BYTES = 184 * 1024
 NUM_WARPS = 8
-
-
-def two_powers(n: int) -> tuple[int, int] | None:
-    """n as a + b, a the largest power of two <= n and b a power of two or 0, else None:
-    the pieces `arange` can tile n by without padding."""
-    if n < 1:
-        return None
-    a = 1 << (n.bit_length() - 1)
-    b = n - a
-    return (a, b) if b & (b - 1) == 0 else None
 
 
 @dataclass(frozen=True)
@@ -103,67 +101,6 @@ class RegisterPlan:
 
 
 @triton.jit
-def _piece(n1, n2: tl.constexpr):
-    """Offsets of the second of two pieces (n2 may be 0: one dead lane) and their mask."""
-    size: tl.constexpr = n2 if n2 > 0 else 1
-    offsets = n1 + tl.arange(0, size)
-    return offsets, tl.arange(0, size) < n2
-
-
-@triton.jit
-def _load_slice(
-    w_ptr, row0, stride, R1: tl.constexpr, R2: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr
-):
-    """Rows row0 .. row0 + R1 + R2 of W, as four blocks: (first/second rows) x (first/
-    second K piece)."""
-    r1 = row0 + tl.arange(0, R1)
-    r2, r2_ok = _piece(row0 + R1, R2)
-    k1 = tl.arange(0, K1)
-    k2, k2_ok = _piece(K1, K2)
-    rows1 = w_ptr + r1.to(tl.int64)[:, None] * stride
-    rows2 = w_ptr + r2.to(tl.int64)[:, None] * stride
-    w11 = tl.load(rows1 + k1[None, :])
-    w12 = tl.load(rows1 + k2[None, :], mask=k2_ok[None, :], other=0.0)
-    w21 = tl.load(rows2 + k1[None, :], mask=r2_ok[:, None], other=0.0)
-    w22 = tl.load(rows2 + k2[None, :], mask=r2_ok[:, None] & k2_ok[None, :], other=0.0)
-    return w11, w12, w21, w22
-
-
-@triton.jit
-def _matvec(w11, w12, w21, w22, x1, x2):
-    """(first rows, second rows) of W @ x, x in its two K pieces (fp32)."""
-    y1 = tl.sum(w11.to(tl.float32) * x1[None, :], axis=1)
-    y1 += tl.sum(w12.to(tl.float32) * x2[None, :], axis=1)
-    y2 = tl.sum(w21.to(tl.float32) * x1[None, :], axis=1)
-    y2 += tl.sum(w22.to(tl.float32) * x2[None, :], axis=1)
-    return y1, y2
-
-
-@triton.jit
-def _load_vector(ptr, K1: tl.constexpr, K2: tl.constexpr):
-    """A vector of K1 + K2 elements in its two pieces, as stored."""
-    k2, k2_ok = _piece(K1, K2)
-    return tl.load(ptr + tl.arange(0, K1)), tl.load(ptr + k2, mask=k2_ok, other=0.0)
-
-
-@triton.jit
-def _store_rows(ptr, row0, y1, y2, R1: tl.constexpr, R2: tl.constexpr):
-    """Rows row0 .. row0 + R1 + R2 of a vector, given as its two pieces, in ptr's dtype."""
-    r2, r2_ok = _piece(row0 + R1, R2)
-    tl.store(ptr + row0 + tl.arange(0, R1), y1.to(ptr.dtype.element_ty))
-    tl.store(ptr + r2, y2.to(ptr.dtype.element_ty), mask=r2_ok)
-
-
-@triton.jit
-def _store_own(ptr, v1, v2, begin, end, K1: tl.constexpr, K2: tl.constexpr):
-    """Elements begin .. end of a vector held in its two pieces."""
-    k1 = tl.arange(0, K1)
-    k2, k2_ok = _piece(K1, K2)
-    tl.store(ptr + k1, v1, mask=(k1 >= begin) & (k1 < end))
-    tl.store(ptr + k2, v2, mask=k2_ok & (k2 >= begin) & (k2 < end))
-
-
-@triton.jit
 def _gated_mlp_kernel(
     attn_ptr,
     out_w_ptr,
@@ -205,38 +142,31 @@ def _gated_mlp_kernel(
     hidden_row = pid * (RO1 + RO2)
     inner_row = pid * (RI1 + RI2)
     if HAS_OUT_PROJ and FIRST == 0:
-        o11, o12, o21, o22 = _load_slice(out_w_ptr, hidden_row, attn_width, RO1, RO2, KA1, KA2)
+        o11, o12, o21, o22 = load_slice(out_w_ptr, hidden_row, attn_width, RO1, RO2, KA1, KA2)
     if FIRST <= 1 and LAST >= 1:
-        g11, g12, g21, g22 = _load_slice(gate_up_w_ptr, inner_row, hidden, RI1, RI2, KH1, KH2)
+        g11, g12, g21, g22 = load_slice(gate_up_w_ptr, inner_row, hidden, RI1, RI2, KH1, KH2)
         up_row = inner + inner_row
-        u11, u12, u21, u22 = _load_slice(gate_up_w_ptr, up_row, hidden, RI1, RI2, KH1, KH2)
+        u11, u12, u21, u22 = load_slice(gate_up_w_ptr, up_row, hidden, RI1, RI2, KH1, KH2)
     if LAST == 2:
-        d11, d12, d21, d22 = _load_slice(down_w_ptr, hidden_row, inner, RO1, RO2, KI1, KI2)
+        d11, d12, d21, d22 = load_slice(down_w_ptr, hidden_row, inner, RO1, RO2, KI1, KI2)
+    if FIRST <= 1 and LAST >= 1:
+        nw1, nw2 = load_vector(norm_weight_ptr, KH1, KH2)
     wait_for_previous_grid(USE_PDL)
 
     if HAS_OUT_PROJ and FIRST == 0:
-        a1, a2 = _load_vector(attn_ptr, KA1, KA2)
-        x1, x2 = _matvec(o11, o12, o21, o22, a1.to(tl.float32), a2.to(tl.float32))
-        _store_rows(x_ptr, hidden_row, x1, x2, RO1, RO2)  # rounded as the GEMV's output
+        a1, a2 = load_vector(attn_ptr, KA1, KA2)
+        x1, x2 = matvec(o11, o12, o21, o22, a1.to(tl.float32), a2.to(tl.float32))
+        store_rows(x_ptr, hidden_row, x1, x2, RO1, RO2)  # rounded as the GEMV's output
         if LAST >= 1:
             grid_barrier(barrier_ptr, programs)
 
     if FIRST <= 1 and LAST >= 1:
-        s1, s2 = _load_vector(x_ptr, KH1, KH2)
-        if HAS_RESIDUAL:
-            r1, r2 = _load_vector(residual_ptr, KH1, KH2)
-            s1 = (r1.to(tl.float32) + s1.to(tl.float32)).to(residual_ptr.dtype.element_ty)
-            s2 = (r2.to(tl.float32) + s2.to(tl.float32)).to(residual_ptr.dtype.element_ty)
-            # Every program has the whole stream; each writes its own rows of it.
-            _store_own(stream_ptr, s1, s2, hidden_row, hidden_row + RO1 + RO2, KH1, KH2)
-        s1 = s1.to(x_ptr.dtype.element_ty).to(tl.float32)
-        s2 = s2.to(x_ptr.dtype.element_ty).to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(s1 * s1, axis=0) + tl.sum(s2 * s2, axis=0)) / hidden + eps)
-        w1, w2 = _load_vector(norm_weight_ptr, KH1, KH2)
-        n1 = weighted_rms(s1, rstd, w1.to(tl.float32), x_ptr).to(tl.float32)
-        n2 = weighted_rms(s2, rstd, w2.to(tl.float32), x_ptr).to(tl.float32)
-        gate1, gate2 = _matvec(g11, g12, g21, g22, n1, n2)
-        up1, up2 = _matvec(u11, u12, u21, u22, n1, n2)
+        n1, n2 = rms_normed_row(
+            x_ptr, residual_ptr, stream_ptr, nw1.to(tl.float32), nw2.to(tl.float32),
+            hidden_row, hidden_row + RO1 + RO2, hidden, eps, HAS_RESIDUAL, KH1, KH2,
+        )  # fmt: skip
+        gate1, gate2 = matvec(g11, g12, g21, g22, n1, n2)
+        up1, up2 = matvec(u11, u12, u21, u22, n1, n2)
         # gate and up rounded as the gate_up GEMV's output, then the activation's math
         gate1 = gate1.to(x_ptr.dtype.element_ty).to(tl.float32)
         gate2 = gate2.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -244,14 +174,14 @@ def _gated_mlp_kernel(
         up2 = up2.to(x_ptr.dtype.element_ty).to(tl.float32)
         act1 = silu_times(gate1, up1, x_ptr)
         act2 = silu_times(gate2, up2, x_ptr)
-        _store_rows(act_ptr, inner_row, act1, act2, RI1, RI2)
+        store_rows(act_ptr, inner_row, act1, act2, RI1, RI2)
         if LAST == 2:
             grid_barrier(barrier_ptr, programs)
 
     if LAST == 2:
-        h1, h2 = _load_vector(act_ptr, KI1, KI2)
-        y1, y2 = _matvec(d11, d12, d21, d22, h1.to(tl.float32), h2.to(tl.float32))
-        _store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
+        h1, h2 = load_vector(act_ptr, KI1, KI2)
+        y1, y2 = matvec(d11, d12, d21, d22, h1.to(tl.float32), h2.to(tl.float32))
+        store_rows(y_ptr, hidden_row, y1, y2, RO1, RO2)
 
 
 def _check_operands(

@@ -29,6 +29,55 @@ def _rounded(x, like_ptr):
 
 
 @triton.jit
+def rope_factors(
+    cos_sin_ptr, weight_ptr, dim, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """What `rotate` needs besides the row, for channels `dim`: each channel's rotate-half
+    partner, cos and sin at the row's position (the fp32 table's row at `cos_sin_ptr`),
+    and the norm weight at the channel and at its partner (ones without HAS_NORM).
+    Loads of constant tables only, so a kernel may issue them before it waits for the
+    kernel that writes the row."""
+    half = ROTARY_DIM // 2
+    rotating = dim < ROTARY_DIM
+    partner = tl.where(rotating, tl.where(dim < half, dim + half, dim - half), dim)
+    freq = tl.where(dim < half, dim, dim - half)
+    cos = tl.load(cos_sin_ptr + freq, mask=rotating, other=0.0)
+    sin = tl.load(cos_sin_ptr + half + freq, mask=rotating, other=0.0)
+    w = tl.full(dim.shape, 1.0, tl.float32)
+    wp = w
+    if HAS_NORM:
+        in_head = dim < HEAD_DIM
+        w = tl.load(weight_ptr + dim, mask=in_head, other=0.0).to(tl.float32)
+        wp = tl.load(weight_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
+    return partner, cos, sin, w, wp
+
+
+@triton.jit
+def rotate(
+    row_ptr, head, dim, live, partner, cos, sin, w, wp, eps, HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Heads `head` of the row at `row_ptr` normed and rotated with `rope_factors`' factors,
+    as an fp32 tile.
+
+    Rotate-half pairs channel d with d +- ROTARY_DIM / 2; the partner is loaded
+    (and normed) on its own, so no cross-lane shuffle is needed.
+    """
+    x = tl.load(row_ptr + head * HEAD_DIM + dim, mask=live, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + head * HEAD_DIM + partner, mask=live, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x = _rounded(w * _rounded(x * rstd, row_ptr), row_ptr)
+        xp = _rounded(wp * _rounded(xp * rstd, row_ptr), row_ptr)
+    cos = _rounded(cos, row_ptr)
+    sin = _rounded(sin, row_ptr)
+    sign = tl.where(dim < ROTARY_DIM // 2, -1.0, 1.0)  # rotate_half: (-x2, x1)
+    rotated = _rounded(_rounded(x * cos, row_ptr) + sign * _rounded(xp * sin, row_ptr), row_ptr)
+    return tl.where(dim < ROTARY_DIM, rotated, x)
+
+
+@triton.jit
 def norm_rope(
     row_ptr,
     cos_sin_ptr,
@@ -41,29 +90,14 @@ def norm_rope(
     ROTARY_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile.
-
-    Rotate-half pairs channel d with d +- ROTARY_DIM / 2; the partner is loaded
-    (and normed) on its own, so no cross-lane shuffle is needed.
-    """
-    half = ROTARY_DIM // 2
-    rotating = dim < ROTARY_DIM
-    partner = tl.where(rotating, tl.where(dim < half, dim + half, dim - half), dim)
-    x = tl.load(row_ptr + head * HEAD_DIM + dim, mask=live, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptr + head * HEAD_DIM + partner, mask=live, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        in_head = dim < HEAD_DIM
-        w = tl.load(weight_ptr + dim, mask=in_head, other=0.0).to(tl.float32)
-        wp = tl.load(weight_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
-        x = _rounded(w * _rounded(x * rstd, row_ptr), row_ptr)
-        xp = _rounded(wp * _rounded(xp * rstd, row_ptr), row_ptr)
-    freq = tl.where(dim < half, dim, dim - half)
-    cos = _rounded(tl.load(cos_sin_ptr + freq, mask=rotating, other=0.0), row_ptr)
-    sin = _rounded(tl.load(cos_sin_ptr + half + freq, mask=rotating, other=0.0), row_ptr)
-    sign = tl.where(dim < half, -1.0, 1.0)  # rotate_half: (-x2, x1)
-    rotated = _rounded(_rounded(x * cos, row_ptr) + sign * _rounded(xp * sin, row_ptr), row_ptr)
-    return tl.where(rotating, rotated, x)
+    """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile: `rotate`
+    with the factors loaded here."""
+    partner, cos, sin, w, wp = rope_factors(
+        cos_sin_ptr, weight_ptr, dim, HEAD_DIM, ROTARY_DIM, HAS_NORM
+    )
+    return rotate(
+        row_ptr, head, dim, live, partner, cos, sin, w, wp, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
+    )
 
 
 @triton.jit

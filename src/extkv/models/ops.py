@@ -110,8 +110,17 @@ def rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear of RMSNorm(residual + x), residual stream), the norm fused into the GEMV's
     input where the GEMV runs (one kernel fewer per norm; the stream is then a new tensor,
-    not `residual` updated in place). Without a residual the stream starts at x."""
+    not `residual` updated in place). Without a residual the stream starts at x. One row
+    whose weight fits in registers runs as one kernel (extkv.kernels.norm_linear, unless
+    EXTKV_PERSISTENT=0)."""
     if takes_gemv(x, weight):
+        if x.shape[0] == 1 and persistent_decode():
+            from extkv.kernels.norm_linear import plan_for, rms_norm_linear_one_row
+
+            operands = (x, residual, norm_weight, weight, bias)
+            contiguous = all(t is None or t.is_contiguous() for t in operands)
+            if contiguous and plan_for(x, weight) is not None:
+                return rms_norm_linear_one_row(x, residual, norm_weight, eps, weight, bias)
         from extkv.kernels.gemv import rms_norm_linear_small_batch
 
         return rms_norm_linear_small_batch(x, residual, norm_weight, eps, weight, bias)
@@ -123,17 +132,18 @@ def rms_norm_linear(
 
 def persistent_decode() -> bool:
     """EXTKV_PERSISTENT: whether a CUDA decode step of one sequence runs each layer's MLP
-    sublayer (output projection, norm, gate_up, SiLU, down) as one kernel with its
-    weights in registers where they fit (1, the default: extkv.kernels.gated_mlp), or as
-    three GEMVs (0). On an H100, Qwen3-0.6B's shape, a batch-1 step took 0.990 ms against
-    1.090 with the GEMVs (BENCHMARKS.md, 2026-12-05 session 6). The GEMVs' sums do not
+    sublayer (output projection, norm, gate_up, SiLU, down) and each norm + projection
+    (the qkv) as kernels with their weights in registers where they fit (1, the default:
+    extkv.kernels.gated_mlp, extkv.kernels.norm_linear), or as GEMVs (0). On an H100,
+    Qwen3-0.6B's shape, the MLP kernel took a batch-1 step from 1.090 ms to 0.990
+    (BENCHMARKS.md, 2026-12-05 session 6). The GEMVs' sums do not
     depend on the rows beside (up to 16), so with 0 a sequence decoded alone is bit for
     bit the sequence decoded in a batch; with 1 a batch of one adds up in another order
     and may differ in the last bits. `gpu-check persistent` measures both."""
     wanted = os.environ.get("EXTKV_PERSISTENT", "1")
     if wanted not in ("0", "1"):
         raise ValueError(
-            "EXTKV_PERSISTENT must be 0 (separate GEMVs) or 1 (the one-row MLP kernel), "
+            "EXTKV_PERSISTENT must be 0 (separate GEMVs) or 1 (the one-row kernels), "
             f"got {wanted!r}"
         )
     return wanted == "1"

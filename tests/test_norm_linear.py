@@ -1,0 +1,186 @@
+"""A batch-1 decode step's RMSNorm + linear in one kernel with its weight in registers
+(extkv.kernels.norm_linear) against the GEMV it replaces and a reference.
+
+As in test_gated_mlp, the CPU checks run this file as a script under the Triton
+interpreter (`TRITON_INTERPRET=1`, in a subprocess); the GPU tests run the kernel eagerly
+and replayed in a CUDA graph. It adds up in another order than the GEMV's tiles, so it
+is compared within a few roundings of its dtype, against a reference that rounds where
+the norm kernel and the GEMV round.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+import torch
+
+from extkv.kernels.gemv import num_sms, rms_norm_linear_small_batch
+from extkv.kernels.norm_linear import MAX_SLICE_BYTES, RowPlan, plan_for, rms_norm_linear_one_row
+from extkv.models import ops
+from helpers import interpreter_rounds_bf16_to_nearest, run_interpreted
+from test_gated_mlp import rms_normed
+
+# (N, K): Qwen3-0.6B's and SmolLM2-135M's qkv projections, and scaled down for the
+# interpreter (rows and K in one piece or two).
+GPU_SHAPES = ((4096, 1024), (960, 576))
+SMALL_SHAPES = ((256, 128), (96, 48))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def operands(n: int, k: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """One row, a norm weight, and a weight and bias giving unit-size outputs."""
+    return {
+        "x": (torch.randn(1, k, device=device) * 3).to(dtype),
+        "norm_weight": (1 + 0.1 * torch.randn(k, device=device)).to(dtype),
+        "weight": (torch.randn(n, k, device=device) * k**-0.5).to(dtype),
+        "bias": torch.randn(n, device=device).to(dtype),
+    }
+
+
+def check_one_row(
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    residual_dtype: torch.dtype | None,
+    with_bias: bool,
+    device: str,
+) -> None:
+    """y within the dtype's tolerance of the reference, the stream exactly residual + x
+    (x itself without a residual), the inputs left as they were."""
+    o = operands(n, k, dtype, device)
+    residual = None
+    if residual_dtype is not None:
+        residual = torch.randn(1, k, device=device).to(residual_dtype)
+    bias = o["bias"] if with_bias else None
+    args = (o["x"], residual, o["norm_weight"], 1e-6, o["weight"], bias)
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    y, stream = rms_norm_linear_one_row(*args)
+    expected_stream = o["x"] if residual is None else (residual.double() + o["x"].double())
+    expected_stream = expected_stream.to(o["x"].dtype if residual is None else residual.dtype)
+    expected = rms_normed(expected_stream, o["norm_weight"], 1e-6) @ o["weight"].double().T
+    if bias is not None:
+        expected = expected + bias.double()
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance)
+    assert y.dtype == dtype and y.shape == (1, n)
+    assert torch.equal(stream, expected_stream)
+    tensors = [(a, b) for a, b in zip(args, before, strict=True) if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in tensors)
+
+
+def test_row_plan() -> None:
+    """The most programs that split the rows evenly into two powers, K in two powers,
+    and no plan where a slice would not fit or K is no two powers."""
+    assert RowPlan.of(4096, 1024, 2, 132) == RowPlan(128, (32, 0), (1024, 0))
+    assert RowPlan.of(960, 576, 2, 132) == RowPlan(120, (8, 0), (512, 64))
+    assert RowPlan.of(3, 64, 4, 132) == RowPlan(3, (1, 0), (64, 0))
+    assert RowPlan.of(4096, 100, 2, 132) is None
+    wide = MAX_SLICE_BYTES // (2 * 4096) + 1  # rows a program of a 4096-wide K can't hold
+    assert RowPlan.of(132 * wide, 4096, 2, 132) is None
+
+
+def test_bad_inputs_are_refused() -> None:
+    """Each refusal names the operand and the shape it must have."""
+    o = operands(96, 48, torch.float32, "cpu")
+    x, nw, w, b = o["x"], o["norm_weight"], o["weight"], o["bias"]
+    cases = [
+        ((x, None, nw, 1e-6, w[0]), "weight must be (N, K)"),
+        ((x.repeat(2, 1), None, nw, 1e-6, w), "x must be one row (1, 48)"),
+        ((x, x[:, 1:], nw, 1e-6, w), "residual must be (1, 48)"),
+        ((x, None, nw[1:], 1e-6, w), "norm_weight must be (48,)"),
+        ((x, None, nw, 1e-6, w, b[1:]), "bias must be (96,)"),
+        ((x, None, nw, 1e-6, w.t().contiguous().t()), "needs contiguous operands"),
+        ((x, None, nw, 1e-6, w.half()), "weight's dtype torch.float16 must be x's"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rms_norm_linear_one_row(*args)
+    big = operands(96, 100, torch.float32, "cpu")  # K 100 is no two powers: no plan
+    with pytest.raises(ValueError, match="96 x 100 does not fit in registers"):
+        rms_norm_linear_one_row(big["x"], None, big["norm_weight"], 1e-6, big["weight"])
+
+
+# ---------------------------------------------------------------- CPU: Triton interpreter
+
+
+def interpreter_checks() -> list[Callable[[], None]]:
+    return [
+        partial(check_one_row, *shape, dtype, residual_dtype, with_bias, "cpu")
+        for shape in SMALL_SHAPES
+        for dtype, residual_dtype in (
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.bfloat16, torch.float32),
+            (torch.float16, None),
+        )
+        for with_bias in (False, True)
+    ]
+
+
+def test_interpreted() -> None:
+    run_interpreted(__file__)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_rms_norm_linear_one_row_gpu(shape: tuple[int, int]) -> None:
+    o = operands(*shape, torch.bfloat16, "cuda")
+    plan = plan_for(o["x"], o["weight"])
+    assert plan is not None and plan.programs <= num_sms(torch.device("cuda"))
+    for residual_dtype in (torch.bfloat16, torch.float32, None):
+        for with_bias in (False, True):
+            check_one_row(*shape, torch.bfloat16, residual_dtype, with_bias, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_ops_take_the_kernel_at_one_row_gpu(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ops.rms_norm_linear runs the kernel for one row (its bits) at EXTKV_PERSISTENT=1,
+    the GEMV at 0 (its bits), and the GEMV for two rows either way."""
+    o = operands(*shape, torch.bfloat16, "cuda")
+    residual = torch.randn_like(o["x"])
+    args = (o["x"], residual, o["norm_weight"], 1e-6, o["weight"], o["bias"])
+    monkeypatch.setenv("EXTKV_PERSISTENT", "1")
+    assert all(map(torch.equal, ops.rms_norm_linear(*args), rms_norm_linear_one_row(*args)))
+    two = (o["x"].repeat(2, 1), residual.repeat(2, 1), *args[2:])
+    assert all(map(torch.equal, ops.rms_norm_linear(*two), rms_norm_linear_small_batch(*two)))
+    monkeypatch.setenv("EXTKV_PERSISTENT", "0")
+    assert all(map(torch.equal, ops.rms_norm_linear(*args), rms_norm_linear_small_batch(*args)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_cuda_graph_replay_gpu(shape: tuple[int, int]) -> None:
+    """Captured once, replayed over new inputs: the eager kernel's bits every time."""
+    o = operands(*shape, torch.bfloat16, "cuda")
+    static_x, static_residual = o["x"].clone(), torch.randn_like(o["x"])
+    weights = (o["norm_weight"], 1e-6, o["weight"], o["bias"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        rms_norm_linear_one_row(static_x, static_residual, *weights)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, stream = rms_norm_linear_one_row(static_x, static_residual, *weights)
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(o["x"]))
+        static_residual.copy_(torch.randn_like(o["x"]))
+        graph.replay()
+        expected = rms_norm_linear_one_row(static_x, static_residual, *weights)
+        assert torch.equal(y, expected[0]) and torch.equal(stream, expected[1])
+
+
+if __name__ == "__main__":
+    interpreter_rounds_bf16_to_nearest()
+    for check in interpreter_checks():
+        torch.manual_seed(0)
+        check()
