@@ -235,6 +235,8 @@ def test_which_steps_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_refuses_a_prefill() -> None:
+    """A prefill, a split count that is no power of two and query heads that no KV head
+    group holds are each refused, naming what is off."""
     cache, batch, args = decode_inputs("split", 4, 2, 32, 32, True, [5, 9], torch.float32, "cpu")
     batch.metadata.is_prefill = True
     with pytest.raises(ValueError, match="one token a sequence"):
@@ -242,6 +244,15 @@ def test_refuses_a_prefill() -> None:
     with pytest.raises(ValueError, match="num_splits must be a power of two"):
         batch.metadata.is_prefill = False
         rope_store_decode_attention(*args, cache.k, cache.v, batch.metadata, 0.1, num_splits=3)
+    qkv, positions, cos_sin, num_q_heads, num_kv_heads, *rest = args
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    one_more = torch.cat((qkv, qkv[:, :head_dim]), dim=1)  # a query head no group holds
+    message = rf"num_q_heads \({num_q_heads + 1}\) must be a positive multiple of num_kv_heads"
+    with pytest.raises(ValueError, match=message):
+        rope_store_decode_attention(
+            one_more, positions, cos_sin, num_q_heads + 1, num_kv_heads, *rest,
+            cache.k, cache.v, batch.metadata, 0.1,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- GPU

@@ -36,12 +36,12 @@ from extkv.attention.metadata import AttentionMetadata
 from extkv.kernels.arrivals import arrival_counters
 from extkv.kernels.paged_attention import (
     NO_WINDOW,
-    _attend_tile,
+    attend_tile,
     decode_splits,
     softmax_step,
 )
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
-from extkv.kernels.rotary import _check_shapes, rope_factors, rotate
+from extkv.kernels.rotary import check_qkv_shapes, rope_factors, rotate
 
 _LOG2E = math.log2(math.e)
 TILE_ELEMENTS = 8192  # a K (and a V) tile's keys x head dim: 64 keys of 128, 32 of 256
@@ -201,7 +201,7 @@ def _decode_attention_kernel(
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     q_pos = tl.full([BLOCK_M], 0, tl.int32) + new_pos
     for start in range(kv_lo + BLOCK_N, cached_hi, BLOCK_N):
-        row_max, row_sum, acc = _attend_tile(
+        row_max, row_sum, acc = attend_tile(
             q, q_pos, q_pos, start, cached_hi, window, qk_scale, row_max, row_sum, acc,
             k_cache_ptr, v_cache_ptr, table_ptr, kv_head, dim, dim_ok,
             stride_kb, stride_ks, stride_kh, stride_kd,
@@ -273,7 +273,12 @@ def rope_store_decode_attention(
     and writes each token's k and v at its slot (-1 skips). `num_splits` (a power of
     two) overrides `decode_splits`' count."""
     head_dim = k_cache.shape[-1]
-    _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads "
+            f"({num_kv_heads}): each KV head serves a whole group of query heads"
+        )
+    check_qkv_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_seqs, table_width = metadata.block_tables.shape
     if metadata.is_prefill or qkv.shape[0] != num_seqs:
         raise ValueError(

@@ -133,7 +133,7 @@ def _paged_attention_kernel(
         lo = kv_lo if phase == 0 else kv_masked_start
         hi = kv_masked_start if phase == 0 else kv_hi
         for start in range(lo, hi, BLOCK_N):
-            row_max, row_sum, acc = _attend_tile(
+            row_max, row_sum, acc = attend_tile(
                 q, q_pos, q_last, start, kv_hi, window, qk_scale, row_max, row_sum, acc,
                 k_ptr, v_ptr, table_ptr, kv_head, dim, dim_ok,
                 stride_kb, stride_ks, stride_kh, stride_kd,
@@ -155,7 +155,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _attend_tile(
+def attend_tile(
     q,
     q_pos,
     q_last,

@@ -179,9 +179,11 @@ def _qk_norm_rope_store_kernel(
             tl.store(v_dst + dim * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=live)
 
 
-def _check_shapes(
+def check_qkv_shapes(
     qkv: torch.Tensor, cos_sin_cache: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
+    """Refuse fused qkv rows that are not `num_heads` heads of `head_dim` wide with
+    contiguous columns, or a rotary table that does not fit the head."""
     if qkv.dim() != 2 or qkv.shape[1] != num_heads * head_dim or qkv.stride(1) != 1:
         raise ValueError(
             f"qkv must be (T, {num_heads} heads * head_dim {head_dim}) with contiguous "
@@ -217,7 +219,7 @@ def qk_norm_rope_store(
     cos_sin_cache (max_position, rotary_dim): cos then sin of each frequency, fp32.
     """
     head_dim = k_cache.shape[-1]
-    _check_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
+    check_qkv_shapes(qkv, cos_sin_cache, num_q_heads + 2 * num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
     wanted = (num_tokens, num_kv_heads, head_dim)
     if keys is not None and (tuple(keys.shape) != wanted or keys.stride(2) != 1):
