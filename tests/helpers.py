@@ -696,3 +696,22 @@ def vary_norms(model: torch.nn.Module) -> None:
     for i, norm in enumerate(norms):
         norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight, dtype=torch.float32))
         norm.eps = 1e-6 * (i + 1)
+
+
+def assert_replays_like_eager(fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> None:
+    """`fn(*inputs)` captured once in a CUDA graph (after a warm-up call outside it, which
+    compiles its kernels), then replayed three times over new random values copied into
+    `inputs`: each time its outputs are an eager call's, bit for bit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    for _ in range(3):
+        for tensor in inputs:
+            tensor.copy_(torch.randn_like(tensor))
+        graph.replay()
+        assert all(map(torch.equal, outputs, fn(*inputs)))

@@ -29,6 +29,7 @@ from extkv.kernels.grid_barrier import barrier_counter, grid_barrier
 from extkv.kernels.register_slices import two_powers
 from extkv.models import load_model, ops
 from helpers import (
+    assert_replays_like_eager,
     extkv_logits,
     interpreter_rounds_bf16_to_nearest,
     run_interpreted,
@@ -41,6 +42,13 @@ from helpers import (
 GPU_SHAPES = ((2048, 1024, 3072), (576, 576, 1536))
 SMALL_SHAPES = ((256, 128, 384), (64, 96, 160))
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# (dtype, residual dtype or None) of the interpreter's checks: a wider residual stream too
+DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, None),
+)
 
 
 def operands(width: int, hidden: int, inner: int, dtype: torch.dtype, device: str) -> dict:
@@ -252,12 +260,7 @@ def interpreter_checks() -> list[Callable[[], None]]:
         *(
             partial(check_one_row, *shape, dtype, residual_dtype, projected, "cpu")
             for shape in SMALL_SHAPES
-            for dtype, residual_dtype in (
-                (torch.float32, torch.float32),
-                (torch.bfloat16, torch.bfloat16),
-                (torch.bfloat16, torch.float32),
-                (torch.float16, None),
-            )
+            for dtype, residual_dtype in DTYPES
             for projected in (False, True)
         ),
     ]
@@ -340,22 +343,11 @@ def test_ops_take_the_kernel_at_one_row_gpu(
 def test_cuda_graph_replay_gpu(shape: tuple[int, int, int]) -> None:
     """Captured once, replayed over new inputs: the eager kernel's bits every time."""
     o = operands(*shape, torch.bfloat16, "cuda")
-    static_attn, static_residual = o["attn"].clone(), torch.randn_like(o["x"])
     weights = (o["norm_weight"], 1e-6, o["gate_up"], o["down"], o["out_weight"])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, and make the barrier counter, outside the capture
-        gated_mlp_one_row(static_attn, static_residual, *weights)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, stream = gated_mlp_one_row(static_attn, static_residual, *weights)
-    for _ in range(3):
-        static_attn.copy_(torch.randn_like(o["attn"]))
-        static_residual.copy_(torch.randn_like(o["x"]))
-        graph.replay()
-        expected = gated_mlp_one_row(static_attn, static_residual, *weights)
-        assert torch.equal(y, expected[0]) and torch.equal(stream, expected[1])
+    inputs = [o["attn"].clone(), torch.randn_like(o["x"])]  # the attention row, the residual
+    assert_replays_like_eager(
+        lambda attn, residual: gated_mlp_one_row(attn, residual, *weights), inputs
+    )
 
 
 if __name__ == "__main__":

@@ -20,14 +20,17 @@ import torch
 from extkv.kernels.gemv import num_sms, rms_norm_linear_small_batch
 from extkv.kernels.norm_linear import MAX_SLICE_BYTES, RowPlan, plan_for, rms_norm_linear_one_row
 from extkv.models import ops
-from helpers import interpreter_rounds_bf16_to_nearest, run_interpreted
-from test_gated_mlp import rms_normed
+from helpers import (
+    assert_replays_like_eager,
+    interpreter_rounds_bf16_to_nearest,
+    run_interpreted,
+)
+from test_gated_mlp import DTYPES, TOLERANCE, rms_normed
 
 # (N, K): Qwen3-0.6B's and SmolLM2-135M's qkv projections, and scaled down for the
 # interpreter (rows and K in one piece or two).
 GPU_SHAPES = ((4096, 1024), (960, 576))
 SMALL_SHAPES = ((256, 128), (96, 48))
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def operands(n: int, k: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -110,12 +113,7 @@ def interpreter_checks() -> list[Callable[[], None]]:
     return [
         partial(check_one_row, *shape, dtype, residual_dtype, with_bias, "cpu")
         for shape in SMALL_SHAPES
-        for dtype, residual_dtype in (
-            (torch.float32, torch.float32),
-            (torch.bfloat16, torch.bfloat16),
-            (torch.bfloat16, torch.float32),
-            (torch.float16, None),
-        )
+        for dtype, residual_dtype in DTYPES
         for with_bias in (False, True)
     ]
 
@@ -161,22 +159,11 @@ def test_ops_take_the_kernel_at_one_row_gpu(
 def test_cuda_graph_replay_gpu(shape: tuple[int, int]) -> None:
     """Captured once, replayed over new inputs: the eager kernel's bits every time."""
     o = operands(*shape, torch.bfloat16, "cuda")
-    static_x, static_residual = o["x"].clone(), torch.randn_like(o["x"])
     weights = (o["norm_weight"], 1e-6, o["weight"], o["bias"])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        rms_norm_linear_one_row(static_x, static_residual, *weights)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, stream = rms_norm_linear_one_row(static_x, static_residual, *weights)
-    for _ in range(3):
-        static_x.copy_(torch.randn_like(o["x"]))
-        static_residual.copy_(torch.randn_like(o["x"]))
-        graph.replay()
-        expected = rms_norm_linear_one_row(static_x, static_residual, *weights)
-        assert torch.equal(y, expected[0]) and torch.equal(stream, expected[1])
+    inputs = [o["x"].clone(), torch.randn_like(o["x"])]  # the row, the residual
+    assert_replays_like_eager(
+        lambda x, residual: rms_norm_linear_one_row(x, residual, *weights), inputs
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from extkv.kernels.gemv import num_sms
 from extkv.kernels.grid_barrier import barrier_counter, grid_barrier, stage_launches
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 from extkv.kernels.register_slices import (
+    check_normed_row,
     load_slice,
     load_vector,
     matvec,
@@ -204,12 +205,7 @@ def _check_operands(
     attn_width = hidden if out_weight is None else out_weight.shape[-1]
     if out_weight is not None and out_weight.shape != (hidden, attn_width):
         raise ValueError(f"out_weight must be ({hidden}, K), got {tuple(out_weight.shape)}")
-    if x.shape != (1, attn_width):
-        raise ValueError(f"x must be one row (1, {attn_width}), got {tuple(x.shape)}")
-    if residual is not None and residual.shape != (1, hidden):
-        raise ValueError(f"residual must be (1, {hidden}), got {tuple(residual.shape)}")
-    if norm_weight.shape != (hidden,):
-        raise ValueError(f"norm_weight must be ({hidden},), got {tuple(norm_weight.shape)}")
+    check_normed_row(x, attn_width, residual, norm_weight, hidden)
     weights = (gate_up, down) if out_weight is None else (gate_up, down, out_weight)
     for tensor in (x, residual, norm_weight, *weights):
         if tensor is not None and not tensor.is_contiguous():

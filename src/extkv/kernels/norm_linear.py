@@ -27,6 +27,7 @@ import triton.language as tl
 from extkv.kernels.gemv import num_sms
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
 from extkv.kernels.register_slices import (
+    check_normed_row,
     load_rows,
     load_slice,
     load_vector,
@@ -132,12 +133,7 @@ def rms_norm_linear_one_row(
     if weight.dim() != 2:
         raise ValueError(f"weight must be (N, K), got {tuple(weight.shape)}")
     n, k = weight.shape
-    if x.shape != (1, k):
-        raise ValueError(f"x must be one row (1, {k}), got {tuple(x.shape)}")
-    if residual is not None and residual.shape != (1, k):
-        raise ValueError(f"residual must be (1, {k}), got {tuple(residual.shape)}")
-    if norm_weight.shape != (k,):
-        raise ValueError(f"norm_weight must be ({k},), got {tuple(norm_weight.shape)}")
+    check_normed_row(x, k, residual, norm_weight, k)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
     operands = [t for t in (x, residual, norm_weight, weight, bias) if t is not None]

@@ -10,6 +10,7 @@ pieces (`two_powers`); each helper here takes or gives the two pieces.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -126,3 +127,16 @@ def rms_normed_row(
     rstd = tl.rsqrt((tl.sum(s1 * s1, axis=0) + tl.sum(s2 * s2, axis=0)) / size + eps)
     n1 = weighted_rms(s1, rstd, w1, x_ptr).to(tl.float32)
     return n1, weighted_rms(s2, rstd, w2, x_ptr).to(tl.float32)
+
+
+def check_normed_row(
+    x: torch.Tensor, width: int, residual: torch.Tensor | None, norm_weight: torch.Tensor, k: int
+) -> None:
+    """The shapes a one-row kernel's norm takes: x one row (1, width), residual (1, k)
+    where given, norm_weight (k,); a ValueError names the operand that is off."""
+    if x.shape != (1, width):
+        raise ValueError(f"x must be one row (1, {width}), got {tuple(x.shape)}")
+    if residual is not None and residual.shape != (1, k):
+        raise ValueError(f"residual must be (1, {k}), got {tuple(residual.shape)}")
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be ({k},), got {tuple(norm_weight.shape)}")
