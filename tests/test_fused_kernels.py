@@ -477,7 +477,7 @@ def test_decoder_layer_cuda_graph_replay(
 ) -> None:
     """One captured decoder layer replayed over new inputs equals the eager layer: the
     residual stream, K/V written through the slots, q/k normed and rotated; with the
-    GEMVs and (one sequence, EXTKV_PERSISTENT=1) the one-row MLP kernel."""
+    GEMVs and (one sequence, EXTKV_PERSISTENT=1) the one-row MLP and norm + qkv kernels."""
     monkeypatch.setenv("EXTKV_PERSISTENT", persistent)
     block_size, width = 16, 8
     model = qwen3_shaped(tmp_path, 1)

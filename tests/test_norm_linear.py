@@ -10,27 +10,34 @@ the norm kernel and the GEMV round.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from functools import partial
 
 import pytest
 import torch
 
+from extkv.demo import make_random_checkpoint
+from extkv.kernels import norm_linear
 from extkv.kernels.gemv import num_sms, rms_norm_linear_small_batch
 from extkv.kernels.norm_linear import MAX_SLICE_BYTES, RowPlan, plan_for, rms_norm_linear_one_row
-from extkv.models import ops
+from extkv.models import load_model, ops
 from helpers import (
     assert_replays_like_eager,
+    extkv_logits,
     interpreter_rounds_bf16_to_nearest,
     run_interpreted,
+    vary_norms,
 )
 from test_gated_mlp import DTYPES, TOLERANCE, rms_normed
 
-# (N, K): Qwen3-0.6B's and SmolLM2-135M's qkv projections, and scaled down for the
-# interpreter (rows and K in one piece or two).
-GPU_SHAPES = ((4096, 1024), (960, 576))
-SMALL_SHAPES = ((256, 128), (96, 48))
+# (N, K): the qkv projections of Qwen3-0.6B, SmolLM2-135M and a Gemma-3-270M-like
+# shape (12 = 8 + 4 rows a program), and scaled down for the interpreter: rows and K in
+# one piece or two (128 programs of 2 and 2 + 1 rows, 96 of 1; K 128, 32 + 16).
+GPU_SHAPES = ((4096, 1024), (960, 576), (1536, 640))
+SMALL_SHAPES = ((256, 128), (96, 48), (384, 48))
 
 
 def operands(n: int, k: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -76,13 +83,16 @@ def check_one_row(
 
 def test_row_plan() -> None:
     """The most programs that split the rows evenly into two powers, K in two powers,
-    and no plan where a slice would not fit or K is no two powers."""
+    and no plan where a slice would not fit, K is no two powers, or fewer than half the
+    SMs would get a program."""
     assert RowPlan.of(4096, 1024, 2, 132) == RowPlan(128, (32, 0), (1024, 0))
     assert RowPlan.of(960, 576, 2, 132) == RowPlan(120, (8, 0), (512, 64))
-    assert RowPlan.of(3, 64, 4, 132) == RowPlan(3, (1, 0), (64, 0))
+    assert RowPlan.of(1536, 640, 2, 132) == RowPlan(128, (8, 4), (512, 128))
+    assert RowPlan.of(132, 64, 4, 132) == RowPlan(132, (1, 0), (64, 0))
     assert RowPlan.of(4096, 100, 2, 132) is None
-    wide = MAX_SLICE_BYTES // (2 * 4096) + 1  # rows a program of a 4096-wide K can't hold
-    assert RowPlan.of(132 * wide, 4096, 2, 132) is None
+    assert RowPlan.of(3, 64, 4, 132) is None  # 3 programs: the GEMV's tiles stream faster
+    assert RowPlan.of(132 * 16, 4096, 2, 132) is None  # 16 rows of 4096: 128 KiB a program
+    assert MAX_SLICE_BYTES < 16 * 4096 * 2
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -109,12 +119,45 @@ def test_bad_inputs_are_refused() -> None:
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
 
+def check_qkv_through_the_model() -> None:
+    """A 3-layer model's logits for one row are the same (fp32, to rounding) whichever
+    EXTKV_PERSISTENT runs them: at 1 each layer's norm + qkv takes the kernel, at 0 none
+    does (nor ever the MLP's gate_up, which asks for no `one_row`). CPU rows are let into
+    the decode GEMV's path, which the interpreter runs, by `takes_gemv`."""
+    gemv_rows, kernel = ops.takes_gemv, norm_linear.rms_norm_linear_one_row
+    ops.takes_gemv = lambda x, w: (
+        gemv_rows(x, w)
+        or (x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype == torch.float32)
+    )
+    calls = []
+    norm_linear.rms_norm_linear_one_row = lambda *a: calls.append(a[4].shape) or kernel(*a)
+    with tempfile.TemporaryDirectory() as folder:
+        path = make_random_checkpoint(folder, "qwen3", with_tokenizer=False, num_hidden_layers=3)
+        model = load_model(path, torch.float32, torch.device("cpu"))[0]
+    vary_norms(model)
+    qkv_rows = model.model.layers[0].self_attn.qkv_proj.weight.shape
+    logits = {}
+    try:
+        for level in ("0", "1"):
+            os.environ["EXTKV_PERSISTENT"] = level
+            calls.clear()
+            logits[level] = extkv_logits(model, [torch.tensor([5])])
+            assert calls == {"0": [], "1": [qkv_rows] * 3}[level], calls
+    finally:
+        ops.takes_gemv, norm_linear.rms_norm_linear_one_row = gemv_rows, kernel
+        del os.environ["EXTKV_PERSISTENT"]
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
+
+
 def interpreter_checks() -> list[Callable[[], None]]:
     return [
-        partial(check_one_row, *shape, dtype, residual_dtype, with_bias, "cpu")
-        for shape in SMALL_SHAPES
-        for dtype, residual_dtype in DTYPES
-        for with_bias in (False, True)
+        check_qkv_through_the_model,
+        *(
+            partial(check_one_row, *shape, dtype, residual_dtype, with_bias, "cpu")
+            for shape in SMALL_SHAPES
+            for dtype, residual_dtype in DTYPES
+            for with_bias in (False, True)
+        ),
     ]
 
 
@@ -123,6 +166,8 @@ def test_interpreted() -> None:
 
 
 # ---------------------------------------------------------------- GPU
+
+kernel = rms_norm_linear_one_row  # the kernel itself, where a test spies on its name
 
 
 @pytest.mark.gpu
@@ -141,17 +186,25 @@ def test_rms_norm_linear_one_row_gpu(shape: tuple[int, int]) -> None:
 def test_ops_take_the_kernel_at_one_row_gpu(
     shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ops.rms_norm_linear runs the kernel for one row (its bits) at EXTKV_PERSISTENT=1,
-    the GEMV at 0 (its bits), and the GEMV for two rows either way."""
+    """ops.rms_norm_linear runs the kernel for one row with `one_row` (its bits) at
+    EXTKV_PERSISTENT=1, and the GEMV (its bits, the kernel never called) without
+    `one_row`, at 0, and for two rows."""
     o = operands(*shape, torch.bfloat16, "cuda")
     residual = torch.randn_like(o["x"])
     args = (o["x"], residual, o["norm_weight"], 1e-6, o["weight"], o["bias"])
-    monkeypatch.setenv("EXTKV_PERSISTENT", "1")
-    assert all(map(torch.equal, ops.rms_norm_linear(*args), rms_norm_linear_one_row(*args)))
     two = (o["x"].repeat(2, 1), residual.repeat(2, 1), *args[2:])
-    assert all(map(torch.equal, ops.rms_norm_linear(*two), rms_norm_linear_small_batch(*two)))
-    monkeypatch.setenv("EXTKV_PERSISTENT", "0")
-    assert all(map(torch.equal, ops.rms_norm_linear(*args), rms_norm_linear_small_batch(*args)))
+    calls = []
+    monkeypatch.setattr(
+        norm_linear, "rms_norm_linear_one_row", lambda *a: calls.append(1) or kernel(*a)
+    )
+    monkeypatch.setenv("EXTKV_PERSISTENT", "1")
+    assert all(map(torch.equal, ops.rms_norm_linear(*args, one_row=True), kernel(*args)))
+    assert calls == [1]
+    for level, rows, one_row in (("1", args, False), ("1", two, True), ("0", args, True)):
+        monkeypatch.setenv("EXTKV_PERSISTENT", level)
+        gemv = rms_norm_linear_small_batch(*rows)
+        assert all(map(torch.equal, ops.rms_norm_linear(*rows, one_row=one_row), gemv))
+    assert calls == [1]
 
 
 @pytest.mark.gpu

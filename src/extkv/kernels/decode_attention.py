@@ -41,7 +41,7 @@ from extkv.kernels.paged_attention import (
     softmax_step,
 )
 from extkv.kernels.pdl import pdl_launch, wait_for_previous_grid
-from extkv.kernels.rotary import check_qkv_shapes, rope_factors, rotate
+from extkv.kernels.rotary import check_qkv_shapes, norm_pair, rope_factors, rotate
 
 _LOG2E = math.log2(math.e)
 TILE_ELEMENTS = 8192  # a K (and a V) tile's keys x head dim: 64 keys of 128, 32 of 256
@@ -152,12 +152,9 @@ def _decode_attention_kernel(
     )  # fmt: skip
     # The step's inputs and constant tables, which no kernel of the step writes, too.
     cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
-    partner, cos, sin, q_w, q_wp = rope_factors(
-        cos_sin_row, q_weight_ptr, dim[None, :], HEAD_DIM, ROTARY_DIM, HAS_NORM
-    )
-    _, _, _, k_w, k_wp = rope_factors(
-        cos_sin_row, k_weight_ptr, dim[None, :], HEAD_DIM, ROTARY_DIM, HAS_NORM
-    )
+    partner, cos, sin = rope_factors(cos_sin_row, dim[None, :], ROTARY_DIM)
+    q_w, q_wp = norm_pair(q_weight_ptr, dim[None, :], partner, HEAD_DIM, HAS_NORM)
+    k_w, k_wp = norm_pair(k_weight_ptr, dim[None, :], partner, HEAD_DIM, HAS_NORM)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     wait_for_previous_grid(USE_PDL)
 
@@ -273,7 +270,7 @@ def rope_store_decode_attention(
     and writes each token's k and v at its slot (-1 skips). `num_splits` (a power of
     two) overrides `decode_splits`' count."""
     head_dim = k_cache.shape[-1]
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads "
             f"({num_kv_heads}): each KV head serves a whole group of query heads"

@@ -16,7 +16,7 @@ A fourth stage making the next layer's norm + qkv (its weight slice loaded into 
 registers gate/up's free) took a layer from 26.8 to 29.2 us in the engine beside the one-
 kernel decode attention, which starts its K/V loads during the qkv GEMV (BENCHMARKS.md,
 2026-12-05 session 7): it is gone. The norm + qkv is a one-row kernel of its own
-(extkv.kernels.norm_linear), beside which the attention kernel's programs do start.
+(extkv.kernels.norm_linear).
 
 The slices must fit in registers (`RegisterPlan.of` says when they do: small models,
 the ones batch-1 latency matters most for); anything else takes the GEMVs. The sums
@@ -150,8 +150,6 @@ def _gated_mlp_kernel(
         u11, u12, u21, u22 = load_slice(gate_up_w_ptr, up_row, hidden, RI1, RI2, KH1, KH2)
     if LAST == 2:
         d11, d12, d21, d22 = load_slice(down_w_ptr, hidden_row, inner, RO1, RO2, KI1, KI2)
-    if FIRST <= 1 and LAST >= 1:
-        nw1, nw2 = load_vector(norm_weight_ptr, KH1, KH2)
     wait_for_previous_grid(USE_PDL)
 
     if HAS_OUT_PROJ and FIRST == 0:
@@ -162,6 +160,7 @@ def _gated_mlp_kernel(
             grid_barrier(barrier_ptr, programs)
 
     if FIRST <= 1 and LAST >= 1:
+        nw1, nw2 = load_vector(norm_weight_ptr, KH1, KH2)  # with the row: no register held
         n1, n2 = rms_normed_row(
             x_ptr, residual_ptr, stream_ptr, nw1.to(tl.float32), nw2.to(tl.float32),
             hidden_row, hidden_row + RO1 + RO2, hidden, eps, HAS_RESIDUAL, KH1, KH2,

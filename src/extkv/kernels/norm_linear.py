@@ -8,8 +8,9 @@ warm L2 ahead. %globaltimer stamps in each program (H100, Qwen3-0.6B's shape,
 BENCHMARKS.md 2026-12-06 session 9) put its norm's rstd 2.0 us after its wait and its
 last tile 7.7 us after: 8.5 of a 26.6 us layer. Here each of up to one program per SM
 loads its rows of the weight into registers, then waits for the kernel before, then
-reads the row once (one round trip), norms it and reduces: the weight streams at once
-over every SM, and nothing after the wait waits on DRAM.
+reads the row once, norms it and reduces: the weight streams at once, over every SM,
+with no pipeline of tiles behind the wait. (Its programs too start only as the MLP
+kernel's leave: the stamps put its end 6.4 us after the MLP's, BENCHMARKS.md.)
 
 The sums run in another order than the GEMV's tiles, so y may differ from the GEMV's in
 the last bits (as the MLP kernel's do: `ops.persistent_decode`).
@@ -37,8 +38,10 @@ from extkv.kernels.register_slices import (
     two_powers,
 )
 
-# Weight bytes a program may hold: 64 registers a thread of 8 warps at Qwen3-0.6B's
-# qkv (4096 x 1024 bf16 over 128 programs); the rest stay for the kernels beside it.
+# Weight bytes a program may hold: up to 96 registers a thread of 8 warps (Qwen3-0.6B's
+# qkv takes 64: 4096 x 1024 bf16 over 128 programs); the rest stay for the kernels
+# beside it. And at least half the SMs must get a program: fewer stream the weight
+# slower than the GEMV's tiles.
 MAX_SLICE_BYTES = 96 * 1024
 NUM_WARPS = 8
 
@@ -55,12 +58,12 @@ class RowPlan:
     @classmethod
     @functools.cache
     def of(cls, n: int, k: int, itemsize: int, sms: int) -> RowPlan | None:
-        """The plan with the most programs (<= `sms`) that splits the rows evenly and
-        whose slices fit `MAX_SLICE_BYTES`; None if there is none."""
+        """The plan with the most programs (<= `sms`, >= half of them) that splits the
+        rows evenly and whose slices fit `MAX_SLICE_BYTES`; None if there is none."""
         ks = two_powers(k)
         if ks is None:
             return None
-        for programs in range(min(sms, n), 0, -1):
+        for programs in range(min(sms, n), (sms + 1) // 2 - 1, -1):
             rows = two_powers(n // programs) if n % programs == 0 else None
             if rows is None:
                 continue

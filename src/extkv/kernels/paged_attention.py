@@ -241,22 +241,20 @@ def _merge_splits_kernel(
     part = (token * num_q_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dim = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dim < HEAD_DIM
-    o = merged_splits(part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM, "")
+    o = merged_splits(part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM)
     o_ptrs = out_ptr + token * stride_ot + head * stride_oh + dim * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
-def merged_splits(
-    part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr
-):
+def merged_splits(part_out_ptr, part_lse_ptr, part, dim, dim_ok, HEAD_DIM: tl.constexpr):
     """One head's output from its splits' partial outputs and log2-sum-exps at rows
-    `part`, each weighted by its softmax mass; CACHE: the loads' cache modifier."""
-    lse = tl.load(part_lse_ptr + part, cache_modifier=CACHE)
+    `part`, each weighted by its softmax mass."""
+    lse = tl.load(part_lse_ptr + part)
     lse_max = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     o_ptrs = part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :]
-    o = tl.load(o_ptrs, mask=dim_ok[None, :], cache_modifier=CACHE)
+    o = tl.load(o_ptrs, mask=dim_ok[None, :])
     total = tl.sum(weight, 0)
     return tl.sum(weight[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
 

@@ -29,28 +29,31 @@ def _rounded(x, like_ptr):
 
 
 @triton.jit
-def rope_factors(
-    cos_sin_ptr, weight_ptr, dim, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):  # fmt: skip
-    """What `rotate` needs besides the row, for channels `dim`: each channel's rotate-half
-    partner, cos and sin at the row's position (the fp32 table's row at `cos_sin_ptr`),
-    and the norm weight at the channel and at its partner (ones without HAS_NORM).
-    Loads of constant tables only, so a kernel may issue them before it waits for the
-    kernel that writes the row."""
+def rope_factors(cos_sin_ptr, dim, ROTARY_DIM: tl.constexpr):
+    """What `rotate` needs of the rotary table for channels `dim`: each channel's
+    rotate-half partner, and cos and sin at the row's position (the fp32 table's row at
+    `cos_sin_ptr`). Loads of a constant table only, so a kernel may issue them before it
+    waits for the kernel that writes the row (`norm_pair` likewise)."""
     half = ROTARY_DIM // 2
     rotating = dim < ROTARY_DIM
     partner = tl.where(rotating, tl.where(dim < half, dim + half, dim - half), dim)
     freq = tl.where(dim < half, dim, dim - half)
     cos = tl.load(cos_sin_ptr + freq, mask=rotating, other=0.0)
     sin = tl.load(cos_sin_ptr + half + freq, mask=rotating, other=0.0)
+    return partner, cos, sin
+
+
+@triton.jit
+def norm_pair(weight_ptr, dim, partner, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The q/k norm weight at each channel and at its partner, fp32 (ones without
+    HAS_NORM)."""
     w = tl.full(dim.shape, 1.0, tl.float32)
     wp = w
     if HAS_NORM:
         in_head = dim < HEAD_DIM
         w = tl.load(weight_ptr + dim, mask=in_head, other=0.0).to(tl.float32)
         wp = tl.load(weight_ptr + partner, mask=in_head, other=0.0).to(tl.float32)
-    return partner, cos, sin, w, wp
+    return w, wp
 
 
 @triton.jit
@@ -58,8 +61,8 @@ def rotate(
     row_ptr, head, dim, live, partner, cos, sin, w, wp, eps, HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Heads `head` of the row at `row_ptr` normed and rotated with `rope_factors`' factors,
-    as an fp32 tile.
+    """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile, with the
+    factors of `rope_factors` and `norm_pair`.
 
     Rotate-half pairs channel d with d +- ROTARY_DIM / 2; the partner is loaded
     (and normed) on its own, so no cross-lane shuffle is needed.
@@ -92,9 +95,8 @@ def norm_rope(
 ):
     """Heads `head` of the row at `row_ptr` normed and rotated, as an fp32 tile: `rotate`
     with the factors loaded here."""
-    partner, cos, sin, w, wp = rope_factors(
-        cos_sin_ptr, weight_ptr, dim, HEAD_DIM, ROTARY_DIM, HAS_NORM
-    )
+    partner, cos, sin = rope_factors(cos_sin_ptr, dim, ROTARY_DIM)
+    w, wp = norm_pair(weight_ptr, dim, partner, HEAD_DIM, HAS_NORM)
     return rotate(
         row_ptr, head, dim, live, partner, cos, sin, w, wp, eps, HEAD_DIM, ROTARY_DIM, HAS_NORM
     )

@@ -101,7 +101,7 @@ class DecoderAttention(nn.Module):
         qk_norm = None
         if self.q_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
+        qkv, residual = self.qkv_proj.normed(hidden, residual, norm, one_row=True)
         return self.attn(qkv, positions, cos_sin_cache, qk_norm), residual
 
 

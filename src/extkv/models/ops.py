@@ -107,14 +107,16 @@ def rms_norm_linear(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    one_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear of RMSNorm(residual + x), residual stream), the norm fused into the GEMV's
     input where the GEMV runs (one kernel fewer per norm; the stream is then a new tensor,
-    not `residual` updated in place). Without a residual the stream starts at x. One row
-    whose weight fits in registers runs as one kernel (extkv.kernels.norm_linear, unless
+    not `residual` updated in place). Without a residual the stream starts at x. With
+    `one_row` (the attention's qkv, the projection it was measured on), one row whose
+    weight fits in registers runs as one kernel (extkv.kernels.norm_linear, unless
     EXTKV_PERSISTENT=0)."""
     if takes_gemv(x, weight):
-        if x.shape[0] == 1 and persistent_decode():
+        if one_row and x.shape[0] == 1 and persistent_decode():
             from extkv.kernels.norm_linear import plan_for, rms_norm_linear_one_row
 
             operands = (x, residual, norm_weight, weight, bias)
@@ -132,8 +134,8 @@ def rms_norm_linear(
 
 def persistent_decode() -> bool:
     """EXTKV_PERSISTENT: whether a CUDA decode step of one sequence runs each layer's MLP
-    sublayer (output projection, norm, gate_up, SiLU, down) and each norm + projection
-    (the qkv) as kernels with their weights in registers where they fit (1, the default:
+    sublayer (output projection, norm, gate_up, SiLU, down) and its attention's norm +
+    qkv projection as kernels with their weights in registers where they fit (1, the default:
     extkv.kernels.gated_mlp, extkv.kernels.norm_linear), or as GEMVs (0). On an H100,
     Qwen3-0.6B's shape, the MLP kernel took a batch-1 step from 1.090 ms to 0.990
     (BENCHMARKS.md, 2026-12-05 session 6). The GEMVs' sums do not

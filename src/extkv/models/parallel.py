@@ -130,11 +130,18 @@ class ColumnParallelLinear(nn.Linear):
         return ops.linear(x, self.weight, self.bias)
 
     def normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: nn.Module,
+        one_row: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer of `norm(x, residual)`'s output, the residual stream): the RMSNorm
-        before the projection fused into a decode step's GEMV (`ops.rms_norm_linear`)."""
-        return ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        before the projection fused into a decode step's GEMV (`ops.rms_norm_linear`;
+        `one_row`: its one-row kernel for one row)."""
+        return ops.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias, one_row=one_row
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None) -> None:
         """Copy this rank's shards of checkpoint tensor `part` into its rows of `param`."""
