@@ -114,6 +114,9 @@ def test_bad_inputs_are_refused() -> None:
     big = operands(96, 100, torch.float32, "cpu")  # K 100 is no two powers: no plan
     with pytest.raises(ValueError, match="96 x 100 does not fit in registers"):
         rms_norm_linear_one_row(big["x"], None, big["norm_weight"], 1e-6, big["weight"])
+    few = operands(3, 64, torch.float32, "cpu")  # 3 rows: 3 programs, under half the SMs
+    with pytest.raises(ValueError, match=r"3 x 64 does not fit .* at least half the SMs"):
+        rms_norm_linear_one_row(few["x"], None, few["norm_weight"], 1e-6, few["weight"])
 
 
 # ---------------------------------------------------------------- CPU: Triton interpreter

@@ -224,15 +224,13 @@ def _decode_attention_kernel(
             for first in tl.static_range(0, GROUP, MERGE_HEADS):  # one round trip a chunk
                 g = first + tl.arange(0, MERGE_HEADS)
                 h = kv_head * GROUP + g
+                g_ok = g < GROUP  # the last chunk's padding heads
                 parts = (seq * NUM_Q_HEADS + h)[:, None] * NUM_SPLITS + splits[None, :]
-                o = _merged_heads(
-                    part_out_ptr, part_lse_ptr, parts, g < GROUP, dim, dim_ok, HEAD_DIM
-                )
+                o = _merged_heads(part_out_ptr, part_lse_ptr, parts, g_ok, dim, dim_ok, HEAD_DIM)
                 o_ptrs = out_ptr + seq * stride_ot + h[:, None] * stride_oh
-                o_mask = (g < GROUP)[:, None] & dim_ok[None, :]
-                tl.store(
-                    o_ptrs + dim[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask
-                )
+                o_ptrs += dim[None, :] * stride_od
+                o_mask = g_ok[:, None] & dim_ok[None, :]
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(counter, 0)  # ready for the next call
 
 

@@ -132,7 +132,7 @@ def rms_norm_linear_one_row(
     """(RMSNorm(residual + x) @ weight^T + bias, residual stream) for one row x (1, K):
     `extkv.kernels.gemv.rms_norm_linear_small_batch`'s math in one program per slice of
     rows. The stream is a new tensor (x itself without a residual). Raises ValueError
-    naming the operand that is off, or where `plan_for` has no plan."""
+    naming the operand that is off, or where `plan_for` has no plan (see `RowPlan.of`)."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be (N, K), got {tuple(weight.shape)}")
     n, k = weight.shape
@@ -147,7 +147,8 @@ def rms_norm_linear_one_row(
     plan = plan_for(x, weight)
     if plan is None:
         raise ValueError(
-            f"a weight of {n} x {k} does not fit in registers; use "
+            f"a weight of {n} x {k} does not fit in registers (K in two powers of two, "
+            "rows evenly over at least half the SMs, at most MAX_SLICE_BYTES a program); use "
             "extkv.kernels.gemv.rms_norm_linear_small_batch"
         )
     stream = x if residual is None else torch.empty_like(residual)

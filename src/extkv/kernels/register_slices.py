@@ -113,9 +113,9 @@ def rms_normed_row(
 ):
     """RMSNorm(residual + x) of one row, in its two pieces, fp32, rounded where the norm
     kernel rounds; `size` its K1 + K2 elements, `w1`, `w2` the norm weight's pieces
-    (fp32). With a residual the stream
-    residual + x is also written, elements own_begin .. own_end of it (every program has
-    the whole row; each writes its own part)."""
+    (fp32). With a residual the stream residual + x is also written, elements
+    own_begin .. own_end of it (every program has the whole row; each writes its own
+    part)."""
     s1, s2 = load_vector(x_ptr, K1, K2)
     if HAS_RESIDUAL:
         r1, r2 = load_vector(residual_ptr, K1, K2)
